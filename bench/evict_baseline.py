@@ -1,0 +1,83 @@
+"""Per-request sliding-window eviction during decode (SPEC.md section 5).
+
+This is the loop a scheduler runs once per decode step without a batched
+eviction kernel: for every request in the batch, in batch order, decide whether
+the window has moved far enough past the request's evicted boundary and, if so,
+free the SWA KV of the newly evicted page-aligned run with one
+``free_swa_segment`` call. It only uses SGLang's method names, so it drives the
+plain-torch baseline and the native ``swa_ext.SWATokenToKVPoolAllocator``
+alike, and it is the reference the batched native eviction is compared with.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+__all__ = ["evict_per_request", "evict_target"]
+
+
+def _to_list(x) -> List[int]:
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return [int(v) for v in x]
+
+
+def evict_target(
+    pre_len: int,
+    evicted: int,
+    window: int,
+    page_size: int,
+    interval: int = 1,
+    prefix_sharing: bool = False,
+) -> int:
+    """The new evicted boundary of one request (``evicted`` when nothing is due).
+
+    Due when ``pre_len - window >= evicted + interval``. The boundary then
+    moves to ``(max(evicted, pre_len - back) // page_size) * page_size``, with
+    ``back = window``, or, with prefix sharing,
+    ``back = cdiv(max(window, page_size), page_size) * page_size``. It never
+    moves backwards.
+    """
+    if pre_len - window < evicted + interval:
+        return evicted
+    if prefix_sharing:
+        back = -(-max(window, page_size) // page_size) * page_size
+    else:
+        back = window
+    new = (max(evicted, pre_len - back) // page_size) * page_size
+    return new if new > evicted else evicted
+
+
+def evict_per_request(
+    allocator,
+    req_to_token: torch.Tensor,
+    rows,
+    pre_lens,
+    evicted,
+    window: int,
+    page_size: int,
+    interval: int = 1,
+    prefix_sharing: bool = False,
+) -> List[int]:
+    """Evict the out-of-window SWA KV of each request of a decode batch.
+
+    ``rows[j]`` is request ``j``'s row in ``req_to_token``, ``pre_lens[j]`` its
+    committed length (``seq_len - 1`` in a decode step) and ``evicted[j]`` its
+    current ``swa_evicted_seqlen`` (page-aligned). For each request that is due
+    (see ``evict_target``), in batch order, calls
+    ``allocator.free_swa_segment(req_to_token[row, evicted:new], start_pos=evicted)``.
+    Returns the new evicted boundaries, one per request; the inputs are not
+    modified.
+    """
+    rows = _to_list(rows)
+    pre_lens = _to_list(pre_lens)
+    out = _to_list(evicted)
+    for j, row in enumerate(rows):
+        old = out[j]
+        new = evict_target(pre_lens[j], old, window, page_size, interval, prefix_sharing)
+        if new > old:
+            allocator.free_swa_segment(req_to_token[row, old:new], start_pos=old)
+            out[j] = new
+    return out

@@ -1,0 +1,143 @@
+// The SWA hybrid allocator: a full-attention pool, an SWA pool of the same page size,
+// and the full-to-SWA slot mapping (SPEC.md section 4), plus the batched window
+// eviction of the decode side (section 5). Every call validates all of its input
+// before it changes anything, so a rejected or refused call leaves no trace.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "page_pool.h"
+
+namespace swa {
+
+class HybridAllocator {
+ public:
+  // mapping: caller-owned storage of mapping_size(size, page_size) int64 values; it is
+  // initialised here and must outlive the allocator.
+  HybridAllocator(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, int64_t* mapping);
+  static int64_t mapping_size(int64_t size, int64_t page_size) { return size + page_size + 1; }
+
+  PagePool& full() { return *full_; }
+  PagePool& swa() { return *swa_; }
+  const PagePool& full() const { return *full_; }
+  const PagePool& swa() const { return *swa_; }
+  const std::shared_ptr<PagePool>& full_ptr() const { return full_; }
+  const std::shared_ptr<PagePool>& swa_ptr() const { return swa_; }
+  int64_t page_size() const { return page_size_; }
+  const int64_t* mapping() const { return mapping_; }
+  int64_t mapping_len() const { return mapping_len_; }
+
+  int64_t available_size() const;
+  bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) const;
+
+  bool alloc(int64_t need_size, OutBuffer& out);
+  bool alloc_extend(const Batch& batch, int64_t extend_num_tokens, OutBuffer& out);
+  bool alloc_extend_swa_tail(const Batch& batch, int64_t extend_num_tokens, int64_t swa_tail_len, OutBuffer& out);
+  bool alloc_decode(const Batch& batch, OutBuffer& out);
+
+  void translate(Span indices, int64_t* out) const;
+  void set_mapping(Span full_indices, Span swa_indices);
+  void clear_mapping(Span full_indices);
+
+  void free(Span indices);
+  void free_swa(Span indices);
+  void free_full(Span indices);
+  void free_segment(Span indices, int64_t start_pos);
+  void free_swa_segment(Span indices, int64_t start_pos);
+  void free_full_segment(Span indices, int64_t start_pos);
+  void free_group_begin();
+  void free_group_end();
+  bool in_free_group() const { return full_->in_free_group(); }
+
+  // For a batch of running requests whose rows of req_to_token hold their slots,
+  // frees the SWA pages that slid out of the window, exactly as free_swa_segment per
+  // due request in batch order would, and writes each request's new evicted length.
+  template <class Slot>
+  void evict_out_of_window(const Slot* req_to_token, int64_t num_rows, int64_t row_len, Span rows,
+                           Span pre_lens, Span evicted_seqlens, int64_t window, int64_t interval,
+                           bool prefix_sharing, int64_t* new_evicted);
+
+  void clear();
+  std::string debug_string() const;
+  void check_invariants() const;
+
+  struct State {
+    PagePool full, swa;
+    std::vector<int64_t> mapping;
+    bool operator==(const State& o) const { return full == o.full && swa == o.swa && mapping == o.mapping; }
+  };
+  State backup_state() const;
+  void restore_state(const State& state);
+
+ private:
+  void reset_mapping();
+  // SWA slot of full slot `last` for continuing a prefix; checked where it is used.
+  int64_t swa_last_loc(int64_t last) const { return last < 0 ? -1 : mapping_[last]; }
+  void check_swa_continuation(const Batch& batch) const;
+  void write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n);
+  // SWA pages mapped from the pages of `indices` (free_swa), claimed; full pages noted.
+  void claim_swa_of_pages(PageClaim& claim, Span indices, std::vector<int64_t>& full_pages) const;
+  // SWA pages of the representatives indices[::page_size] (free_swa_segment), claimed.
+  void claim_swa_of_segment(PageClaim& claim, const char* arg, Span indices, int64_t start_pos,
+                            std::vector<int64_t>& full_pages) const;
+  void clear_mapping_of_pages(const std::vector<int64_t>& full_pages);
+  // A page-mode free of SWA slots by value, the way free_swa hands them to the pool.
+  bool swa_frees_by_index() const { return page_size_ > 1; }
+
+  int64_t page_size_;
+  std::shared_ptr<PagePool> full_, swa_;
+  int64_t* mapping_;
+  int64_t mapping_len_;
+  std::vector<int64_t> swa_slots_;  // scratch for the SWA half of an allocation
+};
+
+template <class Slot>
+void HybridAllocator::evict_out_of_window(const Slot* req_to_token, int64_t num_rows, int64_t row_len,
+                                          Span rows, Span pre_lens, Span evicted_seqlens, int64_t window,
+                                          int64_t interval, bool prefix_sharing, int64_t* new_evicted) {
+  const int64_t bs = rows.size;
+  if (pre_lens.size != bs) fail("pre_lens", "has ", pre_lens.size, " entries for ", bs, " rows");
+  if (evicted_seqlens.size != bs) fail("evicted_seqlens", "has ", evicted_seqlens.size, " entries for ", bs, " rows");
+  if (window < 1) fail("window", "must be >= 1, got ", window);
+  if (interval < 1) fail("interval", "must be >= 1, got ", interval);
+  // Validate and claim everything first; the frees happen only if all of it holds.
+  PageClaim claim(*swa_, false);
+  std::vector<int64_t> full_pages, request_end(static_cast<size_t>(bs));
+  std::vector<int64_t> row_slots;
+  for (int64_t j = 0; j < bs; ++j) {
+    const int64_t row = rows[j], pre_len = pre_lens[j], evicted = evicted_seqlens[j];
+    if (row < 0 || row >= num_rows) fail("rows", "entry ", j, " (", row, ") is outside [0, ", num_rows, ")");
+    if (pre_len < 0 || pre_len > row_len) fail("pre_lens", "entry ", j, " (", pre_len, ") is outside [0, ", row_len, "]");
+    if (evicted < 0 || evicted > pre_len || evicted % page_size_ != 0)
+      fail("evicted_seqlens", "entry ", j, " (", evicted, ") must be page-aligned and within [0, pre_len]");
+    const int64_t next = evicted_after_step(evicted, pre_len, window, page_size_, interval, prefix_sharing);
+    new_evicted[j] = next;
+    if (next > evicted) {
+      const Slot* row_slot = req_to_token + row * row_len;
+      row_slots.assign(row_slot + evicted, row_slot + next);
+      claim_swa_of_segment(claim, "req_to_token", Span(row_slots), evicted, full_pages);
+    }
+    request_end[j] = static_cast<int64_t>(claim.pages().size());
+  }
+  if (swa_->in_free_group()) {  // the group queues the pages in call order
+    swa_->finish(claim);
+    clear_mapping_of_pages(full_pages);
+    return;
+  }
+  claim.commit();
+  clear_mapping_of_pages(full_pages);
+  // Release request by request: successive prepends, as successive calls would do.
+  std::vector<int64_t> pages;
+  int64_t begin = 0;
+  for (int64_t j = 0; j < bs; ++j) {
+    pages.assign(claim.pages().begin() + begin, claim.pages().begin() + request_end[j]);
+    begin = request_end[j];
+    swa_->release(pages);
+  }
+}
+
+}  // namespace swa

@@ -1,0 +1,300 @@
+#include "page_pool.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace swa {
+
+PageClaim::~PageClaim() {
+  if (committed_) return;
+  for (int64_t page : pages_) pool_.state_[page] = PageState::kHeld;
+}
+
+PageClaim::PageClaim(PagePool& pool, bool by_index) : pool_(pool), by_index_(by_index || pool.token_mode()) {
+  // The token pool has one queue: its free_page_ids is free().
+  if (!pool.group_open_) target_ = PageState::kReleasing;
+  else target_ = by_index_ ? PageState::kQueuedByIndex : PageState::kQueuedByPage;
+}
+
+void PageClaim::add(const char* arg, int64_t page, bool repeat_ok) {
+  PageState& s = pool_.state_[page];
+  if (s == PageState::kHeld) {
+    s = target_;
+    pages_.push_back(page);
+    return;
+  }
+  if (s == target_ && repeat_ok) return;
+  switch (s) {
+    case PageState::kFree:
+    case PageState::kStaged:
+      fail(arg, "page ", page, " is already free (double free)");
+    case PageState::kQueuedByIndex:
+    case PageState::kQueuedByPage:
+      fail(arg, "page ", page, " is already freed in the open free group (double free)");
+    default:
+      fail(arg, "page ", page, " is freed twice in one call");
+  }
+}
+
+PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort)
+    : size_(size), page_size_(page_size), num_pages_(0), need_sort_(need_sort) {
+  if (page_size < 1) fail("page_size", "must be >= 1, got ", page_size);
+  if (size < page_size) fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
+  num_pages_ = size / page_size;
+  ring_.resize(static_cast<size_t>(num_pages_));
+  state_.resize(static_cast<size_t>(num_pages_ + 1));
+  reset_state();
+}
+
+void PagePool::reset_state() {
+  for (int64_t k = 0; k < num_pages_; ++k) ring_[k] = k + 1;
+  head_ = 0;
+  free_count_ = num_pages_;
+  staged_.clear();
+  std::fill(state_.begin(), state_.end(), PageState::kFree);
+  state_[0] = PageState::kHeld;  // the padding page is never handed out nor freed
+  group_open_ = false;
+  group_index_pages_.clear();
+  group_page_ids_.clear();
+}
+
+void PagePool::clear() { reset_state(); }
+
+void PagePool::merge_and_sort_free() {
+  if (staged_.empty()) return;
+  std::vector<int64_t> merged = free_pages();
+  merged.insert(merged.end(), staged_.begin(), staged_.end());
+  std::sort(merged.begin(), merged.end());
+  for (size_t k = 0; k < merged.size(); ++k) {
+    ring_[k] = merged[k];
+    state_[merged[k]] = PageState::kFree;
+  }
+  head_ = 0;
+  free_count_ = static_cast<int64_t>(merged.size());
+  staged_.clear();
+}
+
+void PagePool::merge_before_extend(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size) {
+  // The page pool merges early, when the free list is merely low; the token pool
+  // only when it is short.
+  const int64_t low_mark = token_mode() ? need_pages : extend_num_tokens / page_size_ + batch_size + 1;
+  if (low_mark > free_count_) merge_and_sort_free();
+}
+
+void PagePool::merge_before_alloc(int64_t need_pages) {
+  if (need_pages > free_count_) merge_and_sort_free();
+}
+
+void PagePool::take(int64_t n) {
+  for (int64_t k = 0; k < n; ++k) state_[page_at(k)] = PageState::kHeld;
+  head_ += n;
+  if (head_ >= num_pages_) head_ -= num_pages_;
+  free_count_ -= n;
+}
+
+void PagePool::release(const std::vector<int64_t>& pages) {
+  const int64_t n = static_cast<int64_t>(pages.size());
+  if (n == 0) return;
+  if (need_sort_) {
+    for (int64_t page : pages) state_[page] = PageState::kStaged;
+    staged_.insert(staged_.end(), pages.begin(), pages.end());
+    return;
+  }
+  for (int64_t page : pages) state_[page] = PageState::kFree;
+  int64_t pos;
+  if (token_mode()) {
+    pos = head_ + free_count_;  // append
+  } else {
+    head_ -= n;  // prepend: the pages freed last are handed out first
+    if (head_ < 0) head_ += num_pages_;
+    pos = head_;
+  }
+  for (int64_t k = 0; k < n; ++k, ++pos) ring_[pos >= num_pages_ ? pos - num_pages_ : pos] = pages[k];
+  free_count_ += n;
+}
+
+void PagePool::finish(PageClaim& claim) {
+  claim.commit();
+  const std::vector<int64_t>& pages = claim.pages();
+  if (group_open_) {
+    std::vector<int64_t>& queue = claim.by_index() ? group_index_pages_ : group_page_ids_;
+    queue.insert(queue.end(), pages.begin(), pages.end());
+  } else if (claim.by_index() && !token_mode()) {
+    std::vector<int64_t> sorted = pages;  // free() releases its pages in page order
+    std::sort(sorted.begin(), sorted.end());
+    release(sorted);
+  } else {
+    release(pages);
+  }
+}
+
+int64_t PagePool::page_of(const char* arg, int64_t index) const {
+  if (index < page_size_ || index >= index_end())
+    fail(arg, "index ", index, " is outside the pool's slots [", page_size_, ", ", index_end(),
+         ") (page 0 is the padding page)");
+  return index / page_size_;
+}
+
+void PagePool::check_page_id(const char* arg, int64_t page) const {
+  if (page < 1 || page > num_pages_)
+    fail(arg, "page id ", page, " is outside [1, ", num_pages_, "] (page 0 is the padding page)");
+}
+
+int64_t PagePool::check_batch(const Batch& batch, int64_t extend_num_tokens) const {
+  const int64_t bs = batch.size();
+  if (batch.last_loc.size != bs)
+    fail("last_loc", "has ", batch.last_loc.size, " entries for a batch of ", bs, " (seq_lens)");
+  if (!batch.decode && batch.prefix_lens.size != bs)
+    fail("prefix_lens", "has ", batch.prefix_lens.size, " entries but seq_lens has ", bs);
+  int64_t tokens = 0, pages = 0;
+  for (int64_t j = 0; j < bs; ++j) {
+    const int64_t seq = batch.seq_lens[j], prefix = batch.prefix(j), last = batch.last_loc[j];
+    if (batch.decode && seq < 1) fail("seq_lens", "entry ", j, " is ", seq, "; a decode step needs >= 1");
+    if (prefix < 0) fail("prefix_lens", "entry ", j, " is negative (", prefix, ")");
+    if (seq < prefix) fail("seq_lens", "entry ", j, " (", seq, ") is below its prefix length ", prefix);
+    if (prefix == 0) {
+      if (last != -1) fail("last_loc", "entry ", j, " is ", last, " but the request has no prefix (expected -1)");
+    } else {
+      const int64_t page = page_of("last_loc", last);
+      if (last % page_size_ != (prefix - 1) % page_size_)
+        fail("last_loc", "entry ", j, " (", last, ") is not where a prefix of ", prefix,
+             " tokens ends in its page (page size ", page_size_, ")");
+      if (state_[page] != PageState::kHeld)
+        fail("last_loc", "entry ", j, " (", last, ") lies in page ", page, ", which is not allocated");
+    }
+    tokens += seq - prefix;
+    pages += new_page_count(prefix, seq, page_size_);
+  }
+  if (extend_num_tokens >= 0 && tokens != extend_num_tokens)
+    fail("extend_num_tokens", "is ", extend_num_tokens, " but seq_lens - prefix_lens sums to ", tokens);
+  return pages;
+}
+
+bool PagePool::alloc(int64_t need_size, OutBuffer& out) {
+  if (need_size < 0) fail("need_size", "is negative (", need_size, ")");
+  if (need_size % page_size_ != 0)
+    fail("need_size", need_size, " is not a multiple of the page size ", page_size_);
+  const int64_t need_pages = need_size / page_size_;
+  merge_before_alloc(need_pages);
+  if (need_pages > free_count_) return false;
+  const int64_t zero = 0, minus_one = -1;
+  const Batch whole{Span(&zero, 1), Span(&need_size, 1), Span(&minus_one, 1), false};
+  write_slots(whole, [](int64_t) { return int64_t{-1}; }, out.get(need_size));
+  take(need_pages);
+  return true;
+}
+
+bool PagePool::alloc_extend(const Batch& batch, int64_t extend_num_tokens, int64_t num_new_pages,
+                            OutBuffer& out) {
+  const int64_t need = check_batch(batch, extend_num_tokens);
+  if (num_new_pages >= 0 && num_new_pages != need)
+    fail("num_new_pages", "is ", num_new_pages, " but the lengths need ", need, " new pages");
+  merge_before_extend(need, extend_num_tokens, batch.size());
+  if (need > free_count_) return false;
+  write_slots(batch, [&](int64_t j) { return batch.last_loc[j]; }, out.get(extend_num_tokens));
+  take(need);
+  return true;
+}
+
+bool PagePool::alloc_decode(const Batch& batch, OutBuffer& out) {
+  const int64_t need = check_batch(batch, -1);
+  merge_before_alloc(batch.size());
+  if (need > free_count_) return false;
+  write_slots(batch, [&](int64_t j) { return batch.last_loc[j]; }, out.get(batch.size()));
+  take(need);
+  return true;
+}
+
+void PagePool::claim_indices(PageClaim& claim, const char* arg, Span indices) const {
+  // Page mode frees whole pages: several tokens of one page are one free. A token
+  // listed twice in the token pool is a double free.
+  for (int64_t i = 0; i < indices.size; ++i) claim.add(arg, page_of(arg, indices[i]), !token_mode());
+}
+
+void PagePool::claim_segment(PageClaim& claim, const char* indices_arg, Span indices, int64_t start_pos) const {
+  if (start_pos < 0 || start_pos % page_size_ != 0)
+    fail("start_pos", start_pos, " is not page-aligned (page size ", page_size_, ")");
+  // Every page_size-th index stands for its page.
+  for (int64_t i = 0; i < indices.size; i += page_size_) claim.add(indices_arg, page_of(indices_arg, indices[i]), false);
+}
+
+void PagePool::free(Span indices) {
+  PageClaim claim(*this, true);
+  claim_indices(claim, "indices", indices);
+  finish(claim);
+}
+
+void PagePool::free_page_ids(Span pages) {
+  for (int64_t i = 0; i < pages.size; ++i) check_page_id("page_ids", pages[i]);
+  PageClaim claim(*this, false);
+  for (int64_t i = 0; i < pages.size; ++i) claim.add("page_ids", pages[i], false);
+  finish(claim);
+}
+
+void PagePool::free_segment(Span indices, int64_t start_pos) {
+  PageClaim claim(*this, false);
+  claim_segment(claim, "indices", indices, start_pos);
+  finish(claim);
+}
+
+void PagePool::free_group_begin() {
+  if (group_open_) fail("free_group_begin", "a free group is already open (groups do not nest)");
+  group_open_ = true;
+}
+
+void PagePool::free_group_end(GroupOrder order) {
+  if (!group_open_) fail("free_group_end", "no free group is open");
+  group_open_ = false;
+  std::vector<int64_t> by_index, by_page;
+  by_index.swap(group_index_pages_);
+  by_page.swap(group_page_ids_);
+  // Everything freed by index is one free(): its pages are released in page order.
+  if (!token_mode()) std::sort(by_index.begin(), by_index.end());
+  const bool pages_first = order == GroupOrder::kPageIdsFirst;
+  release(pages_first ? by_page : by_index);
+  release(pages_first ? by_index : by_page);
+}
+
+std::vector<int64_t> PagePool::free_pages() const {
+  std::vector<int64_t> pages(static_cast<size_t>(free_count_));
+  for (int64_t k = 0; k < free_count_; ++k) pages[k] = page_at(k);
+  return pages;
+}
+
+std::string PagePool::debug_string() const {
+  std::ostringstream s;
+  s << "page_size=" << page_size_ << " pages=" << num_pages_ << " free=" << free_count_
+    << " staged=" << staged_.size() << " held=" << num_pages_ - available_pages()
+    << (group_open_ ? " (free group open)" : "");
+  return s.str();
+}
+
+void PagePool::check_invariants() const {
+  auto broken = [](const std::string& what) { throw std::logic_error("pool invariant broken: " + what); };
+  if (free_count_ < 0 || free_count_ > num_pages_) broken("free count out of range");
+  if (state_[0] != PageState::kHeld) broken("the padding page changed state");
+  std::vector<int> seen(static_cast<size_t>(num_pages_ + 1), 0);
+  auto expect = [&](int64_t page, PageState want, const char* where) {
+    if (page < 1 || page > num_pages_) broken(std::string(where) + " holds a page id out of range");
+    if (seen[page]++) broken("page " + std::to_string(page) + " is in two places (last seen in " + where + ")");
+    if (state_[page] != want) broken("page " + std::to_string(page) + " in " + where + " has the wrong state");
+  };
+  for (int64_t k = 0; k < free_count_; ++k) expect(page_at(k), PageState::kFree, "the free list");
+  for (int64_t page : staged_) expect(page, PageState::kStaged, "the staging list");
+  for (int64_t page : group_index_pages_) expect(page, PageState::kQueuedByIndex, "the free group");
+  for (int64_t page : group_page_ids_) expect(page, PageState::kQueuedByPage, "the free group");
+  if (!group_open_ && !(group_index_pages_.empty() && group_page_ids_.empty()))
+    broken("pages queued without an open free group");
+  for (int64_t page = 1; page <= num_pages_; ++page)
+    if (!seen[page] && state_[page] != PageState::kHeld)
+      broken("page " + std::to_string(page) + " is marked free but is in no list");
+}
+
+bool PagePool::operator==(const PagePool& o) const {
+  return size_ == o.size_ && page_size_ == o.page_size_ && need_sort_ == o.need_sort_ &&
+         free_pages() == o.free_pages() && staged_ == o.staged_ && state_ == o.state_ &&
+         group_open_ == o.group_open_ && group_index_pages_ == o.group_index_pages_ &&
+         group_page_ids_ == o.group_page_ids_;
+}
+
+}  // namespace swa

@@ -1,0 +1,163 @@
+// One KV page pool: an ordered free list of page ids with SGLang's exact hand-out
+// order, the need_sort staging list, free groups, and a per-page state that catches
+// double frees before anything changes. Page size 1 is the token pool, whose frees
+// append instead of prepend (SPEC.md sections 1-3).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "rules.h"
+#include "span.h"
+
+namespace swa {
+
+enum class PageState : uint8_t {
+  kHeld,           // handed out
+  kFree,           // in the free list
+  kStaged,         // freed under need_sort, waiting for the next merge
+  kQueuedByIndex,  // freed by free() inside an open free group
+  kQueuedByPage,   // freed by page id (free_page_ids / *_segment) inside an open free group
+  kReleasing,      // transient: claimed by the call in progress
+};
+
+// A batch of requests growing from prefix to seq tokens. Decode batches have no
+// prefix span: each request grows by one token.
+struct Batch {
+  Span prefix_lens;  // empty for decode
+  Span seq_lens;
+  Span last_loc;
+  bool decode = false;
+  int64_t size() const { return seq_lens.size; }
+  int64_t prefix(int64_t j) const { return decode ? seq_lens[j] - 1 : prefix_lens[j]; }
+};
+
+class PagePool;
+
+// Pages a call is about to free, marked so that repeats and double frees are caught
+// before anything changes. Unless committed, the marks are undone when it goes away,
+// so a call that throws leaves the pool as it was.
+class PageClaim {
+ public:
+  // by_index: the pages are freed as free() frees them (else by page id); this and
+  // whether a free group is open decide the mark.
+  PageClaim(PagePool& pool, bool by_index);
+  PageClaim(const PageClaim&) = delete;
+  PageClaim& operator=(const PageClaim&) = delete;
+  ~PageClaim();
+  // repeat_ok: the page may already carry this claim's mark (free() frees pages, not
+  // tokens, so several tokens of one page are one free).
+  void add(const char* arg, int64_t page, bool repeat_ok);
+  const std::vector<int64_t>& pages() const { return pages_; }
+  bool by_index() const { return by_index_; }
+  void commit() { committed_ = true; }
+
+ private:
+  PagePool& pool_;
+  bool by_index_;
+  PageState target_;
+  std::vector<int64_t> pages_;  // newly claimed, in first-seen order
+  bool committed_ = false;
+};
+
+class PagePool {
+ public:
+  PagePool(int64_t size, int64_t page_size, bool need_sort);
+
+  int64_t size() const { return size_; }
+  int64_t page_size() const { return page_size_; }
+  int64_t num_pages() const { return num_pages_; }
+  bool need_sort() const { return need_sort_; }
+  bool token_mode() const { return page_size_ == 1; }
+  int64_t free_page_count() const { return free_count_; }
+  int64_t staged_page_count() const { return static_cast<int64_t>(staged_.size()); }
+  int64_t available_pages() const { return free_count_ + staged_page_count(); }
+  int64_t available_size() const { return available_pages() * page_size_; }
+  // One past the largest token index this pool hands out.
+  int64_t index_end() const { return (num_pages_ + 1) * page_size_; }
+  bool in_free_group() const { return group_open_; }
+
+  void clear();
+  void merge_and_sort_free();
+
+  // SGLang's calls on one pool. An allocation returns false, changing nothing, when the
+  // pool is short; bad arguments throw ArgumentError, changing nothing.
+  bool alloc(int64_t need_size, OutBuffer& out);
+  // num_new_pages < 0: computed here from the lengths.
+  bool alloc_extend(const Batch& batch, int64_t extend_num_tokens, int64_t num_new_pages, OutBuffer& out);
+  bool alloc_decode(const Batch& batch, OutBuffer& out);
+  void free(Span indices);
+  void free_page_ids(Span pages);
+  void free_segment(Span indices, int64_t start_pos);
+  void free_group_begin();
+  // order: which queue of the group is released first (SPEC.md sections 3 and 4 differ).
+  enum class GroupOrder { kIndicesFirst, kPageIdsFirst };
+  void free_group_end(GroupOrder order = GroupOrder::kIndicesFirst);
+
+  // Building blocks for the hybrid allocator.
+  int64_t page_of(const char* arg, int64_t index) const;  // checks the range
+  void check_page_id(const char* arg, int64_t page) const;
+  PageState state(int64_t page) const { return state_[page]; }
+  int64_t page_at(int64_t k) const {  // k-th page of the free list
+    int64_t pos = head_ + k;
+    return ring_[pos >= num_pages_ ? pos - num_pages_ : pos];
+  }
+  // Validates a batch against this pool and returns the pages it needs.
+  int64_t check_batch(const Batch& batch, int64_t extend_num_tokens) const;
+  // SPEC's merge triggers, before an extend-shaped allocation and before alloc().
+  void merge_before_extend(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size);
+  void merge_before_alloc(int64_t need_pages);
+  // Writes the slots of the batch, new pages taken from the head of the free list in
+  // batch order; last_loc(j) is where request j's prefix ends. Takes nothing.
+  template <class LastLoc>
+  void write_slots(const Batch& batch, const LastLoc& last_loc, int64_t* out) const;
+  void take(int64_t n);  // the first n free pages become held
+  // Claims the pages of token indices as free() does.
+  void claim_indices(PageClaim& claim, const char* arg, Span indices) const;
+  void claim_segment(PageClaim& claim, const char* indices_arg, Span indices, int64_t start_pos) const;
+  // Commits a claim: the pages go to the open group's queue, or are released now.
+  void finish(PageClaim& claim);
+  // Pages into the free list or staging, in this order.
+  void release(const std::vector<int64_t>& pages);
+
+  std::vector<int64_t> free_pages() const;  // in hand-out order
+  const std::vector<int64_t>& staged_pages() const { return staged_; }
+  std::string debug_string() const;
+  // Throws std::logic_error naming the first broken invariant.
+  void check_invariants() const;
+  bool operator==(const PagePool& other) const;
+
+ private:
+  friend class PageClaim;
+  void reset_state();
+
+  int64_t size_, page_size_, num_pages_;
+  bool need_sort_;
+  // The free list is ring_[head_ .. head_ + free_count_) modulo num_pages_: the page
+  // pool prepends and the token pool appends, and both fit because a page is in at
+  // most one place.
+  std::vector<int64_t> ring_;
+  int64_t head_ = 0, free_count_ = 0;
+  std::vector<int64_t> staged_;
+  std::vector<PageState> state_;  // indexed by page id; page 0 is the padding page
+  bool group_open_ = false;
+  std::vector<int64_t> group_index_pages_;  // pages of free() calls held by the group
+  std::vector<int64_t> group_page_ids_;     // pages of free_page_ids calls held by the group
+};
+
+template <class LastLoc>
+void PagePool::write_slots(const Batch& batch, const LastLoc& last_loc, int64_t* out) const {
+  int64_t pos = 0, page_offset = 0;
+  for (int64_t j = 0; j < batch.size(); ++j) {
+    const int64_t prefix = batch.prefix(j), seq = batch.seq_lens[j];
+    const int64_t last = last_loc(j);
+    const auto page_at_offset = [this, page_offset](int64_t k) { return page_at(page_offset + k); };
+    for (int64_t t = 0; t < seq - prefix; ++t)
+      out[pos++] = extend_slot(t, prefix, seq, last, page_size_, page_at_offset);
+    page_offset += new_page_count(prefix, seq, page_size_);
+  }
+}
+
+}  // namespace swa

@@ -1,0 +1,67 @@
+// The allocator's arithmetic, written once. Everything here is a pure function of
+// lengths and page ids so the CPU path and the CUDA kernels share it verbatim.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define SWA_HD __host__ __device__ __forceinline__
+#else
+#define SWA_HD inline
+#endif
+
+namespace swa {
+
+SWA_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+SWA_HD int64_t floor_to_page(int64_t n, int64_t page_size) { return (n / page_size) * page_size; }
+
+// Pages a request gains when it grows from prefix_len to seq_len tokens.
+SWA_HD int64_t new_page_count(int64_t prefix_len, int64_t seq_len, int64_t page_size) {
+  return cdiv(seq_len, page_size) - cdiv(prefix_len, page_size);
+}
+
+// Slot of the t-th new token of one request growing from prefix_len to seq_len.
+// The tokens first continue the partial page that ends at last_loc, then fill the
+// request's new pages in order; page_at(k) is the k-th of those pages. A decode
+// step is the case prefix_len = seq_len - 1, a fresh allocation prefix_len = 0.
+template <class PageAt>
+SWA_HD int64_t extend_slot(int64_t t, int64_t prefix_len, int64_t seq_len, int64_t last_loc,
+                           int64_t page_size, const PageAt& page_at) {
+  const int64_t prefix_page_end = cdiv(prefix_len, page_size) * page_size;
+  const int64_t in_partial_page =
+      (seq_len < prefix_page_end ? seq_len : prefix_page_end) - prefix_len;
+  if (t < in_partial_page) return last_loc + 1 + t;
+  const int64_t u = t - in_partial_page;
+  return page_at(u / page_size) * page_size + u % page_size;
+}
+
+// Decode side of disaggregation: how many of the last tokens of a seq_len-token
+// prompt need SWA KV. The cut is page-aligned so evicted lengths stay aligned.
+SWA_HD int64_t swa_tail_len(int64_t seq_len, int64_t window, int64_t page_size, bool radix_cache) {
+  if (seq_len <= 0) return 0;
+  int64_t start;
+  if (radix_cache) {
+    // Keep a whole window behind the page-aligned insert boundary of the radix cache.
+    const int64_t keep = window > page_size ? window : page_size;
+    start = seq_len - 1 - keep;
+  } else {
+    start = seq_len - window;
+  }
+  if (start < 0) start = 0;
+  return seq_len - floor_to_page(start, page_size);
+}
+
+// Window eviction during decode: the new evicted length of a request whose committed
+// length is pre_len; equal to `evicted` when nothing is due.
+SWA_HD int64_t evicted_after_step(int64_t evicted, int64_t pre_len, int64_t window, int64_t page_size,
+                                  int64_t interval, bool prefix_sharing) {
+  if (pre_len - window < evicted + interval) return evicted;
+  int64_t keep = window;
+  if (prefix_sharing) keep = cdiv(window > page_size ? window : page_size, page_size) * page_size;
+  const int64_t target = pre_len - keep > evicted ? pre_len - keep : evicted;
+  const int64_t aligned = floor_to_page(target, page_size);
+  return aligned > evicted ? aligned : evicted;
+}
+
+}  // namespace swa

@@ -1,0 +1,19 @@
+"""swa_ext: the KV cache page allocator for hybrid sliding-window-attention LLMs."""
+from . import _C
+from .allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+ConcurrentUseError = _C.ConcurrentUseError
+
+
+def built_with_cuda() -> bool:
+    """Whether the installed extension holds the CUDA kernels (even on a machine without a GPU)."""
+    return _C.built_with_cuda()
+
+
+__all__ = [
+    "ConcurrentUseError",
+    "PagedTokenToKVPoolAllocator",
+    "SWATokenToKVPoolAllocator",
+    "TokenToKVPoolAllocator",
+    "built_with_cuda",
+]

@@ -1,0 +1,138 @@
+"""Request traces: arrival time, prompt length, output length.
+
+Two formats are read:
+- CSV with ``TIMESTAMP,ContextTokens,GeneratedTokens`` (Azure LLM inference
+  traces; the timestamp is a date-time, or a number of seconds);
+- JSONL with ``timestamp`` (milliseconds), ``input_length``, ``output_length``
+  (Mooncake traces).
+Arrival times are returned in seconds from the first request.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+DEFAULT_TRACE = Path(__file__).with_name("data") / "AzureLLMInferenceTrace_conv.csv"
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+
+# datetime.fromisoformat before Python 3.11 takes at most 6 fractional digits;
+# the Azure 2023 traces write 7.
+_EXTRA_FRACTION_DIGITS = re.compile(r"(\.\d{6})\d+")
+
+
+class TraceError(ValueError):
+    """A trace that is missing or cannot be read; the message names the place."""
+
+
+@dataclass(frozen=True)
+class Request:
+    rid: int  # position in the trace
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+def _count(text: str, what: str, where: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise TraceError(f"{where}: {what} is not an integer: {text!r}") from None
+    if value < 0:
+        raise TraceError(f"{where}: {what} is negative: {value}")
+    return value
+
+
+def _azure_time(text: str, where: str) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        pass
+    try:
+        stamp = datetime.fromisoformat(_EXTRA_FRACTION_DIGITS.sub(r"\1", text.strip()))
+    except (AttributeError, ValueError):
+        raise TraceError(f"{where}: TIMESTAMP is not a date-time: {text!r}") from None
+    if stamp.tzinfo is None:
+        # Read naive times as UTC so local daylight-saving shifts cannot bend gaps.
+        stamp = stamp.replace(tzinfo=timezone.utc)
+    return stamp.timestamp()
+
+
+def _read_azure(path: Path, limit: int | None) -> list[tuple[float, int, int]]:
+    rows = []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in AZURE_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise TraceError(f"{path}: CSV trace lacks column(s) {', '.join(missing)}")
+        for line_no, row in enumerate(reader, start=2):
+            if limit is not None and len(rows) >= limit:
+                break
+            where = f"{path}:{line_no}"
+            rows.append(
+                (
+                    _azure_time(row["TIMESTAMP"], where),
+                    _count(row["ContextTokens"], "ContextTokens", where),
+                    _count(row["GeneratedTokens"], "GeneratedTokens", where),
+                )
+            )
+    return rows
+
+
+def _read_mooncake(path: Path, limit: int | None) -> list[tuple[float, int, int]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{where}: not JSON ({e.msg})") from None
+            if not isinstance(record, dict) or any(k not in record for k in MOONCAKE_KEYS):
+                raise TraceError(f"{where}: a record needs {', '.join(MOONCAKE_KEYS)}")
+            ts = record["timestamp"]
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+                raise TraceError(f"{where}: timestamp is not a number: {ts!r}")
+            rows.append(
+                (
+                    ts / 1000.0,
+                    _count(record["input_length"], "input_length", where),
+                    _count(record["output_length"], "output_length", where),
+                )
+            )
+    return rows
+
+
+def load_trace(path: str | Path | None = None, limit: int | None = None) -> list[Request]:
+    """The first ``limit`` requests of a trace (all when None), sorted by arrival.
+    The format follows the suffix: ``.jsonl`` / ``.json`` is Mooncake, else CSV."""
+    path = Path(path) if path is not None else DEFAULT_TRACE
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file")
+    try:
+        if path.suffix.lower() in (".jsonl", ".json"):
+            rows = _read_mooncake(path, limit)
+        else:
+            rows = _read_azure(path, limit)
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not a text trace") from None
+    except csv.Error as e:
+        raise TraceError(f"{path}: malformed CSV ({e})") from None
+    if not rows:
+        raise TraceError(f"{path}: the trace holds no requests")
+    start = min(t for t, _, _ in rows)
+    order = sorted(range(len(rows)), key=lambda i: rows[i][0])
+    return [
+        Request(rid=i, arrival_s=rows[i][0] - start, prompt_len=rows[i][1], output_len=rows[i][2])
+        for i in order
+    ]
