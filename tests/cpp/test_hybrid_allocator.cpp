@@ -1,0 +1,102 @@
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "hybrid_allocator.h"
+
+using namespace swa;
+using V = std::vector<int64_t>;
+
+namespace {
+
+struct Fixture {
+  V mapping;
+  HybridAllocator alloc;
+  Fixture(int64_t size, int64_t size_swa, int64_t ps, bool need_sort = false)
+      : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, ps))),
+        alloc(size, size_swa, ps, need_sort, mapping.data()) {}
+
+  V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {
+    VectorOut out;
+    if (!alloc.alloc_extend(Batch{prefix, seq, last, false}, ext, out)) return {};
+    return out.values;
+  }
+  V decode(const V& seq, const V& last) {
+    VectorOut out;
+    if (!alloc.alloc_decode(Batch{Span(), seq, last, true}, out)) return {};
+    return out.values;
+  }
+};
+
+}  // namespace
+
+TEST(Hybrid, ExtendMapsEveryFullSlotToAnSwaSlot) {
+  Fixture f(256, 128, 16);
+  const V slots = f.extend({0, 0}, {20, 5}, {-1, -1}, 25);
+  ASSERT_EQ(slots.size(), 25u);
+  for (int64_t slot : slots) EXPECT_GT(f.mapping[slot], 0);
+  EXPECT_EQ(f.mapping.back(), -1);
+  EXPECT_EQ(f.alloc.full().available_size(), 256 - 48);
+  f.alloc.check_invariants();
+}
+
+TEST(Hybrid, DecodeRefusalIsAtomicWhenOnlyTheSwaPoolIsShort) {
+  Fixture f(256, 32, 16);
+  const V slots = f.extend({0, 0}, {16, 16}, {-1, -1}, 32);  // SWA pool now empty
+  const auto before = f.alloc.backup_state();
+  EXPECT_TRUE(f.decode({17}, {slots[15]}).empty());
+  EXPECT_TRUE(f.alloc.backup_state() == before);
+}
+
+TEST(Hybrid, SwaTailLeavesTheHeadUnmapped) {
+  Fixture f(256, 128, 16);
+  VectorOut out;
+  const V prefix{0}, seq{68}, last{-1};
+  ASSERT_TRUE(f.alloc.alloc_extend_swa_tail(Batch{prefix, seq, last, false}, 68, 52, out));
+  for (int64_t i = 0; i < 68; ++i) EXPECT_EQ(f.mapping[out.values[i]] > 0, i >= 16) << i;
+  EXPECT_EQ(f.alloc.swa().available_size(), 128 - 64);
+  EXPECT_THROW(f.alloc.free_swa_segment(V(out.values.begin(), out.values.begin() + 16), 0), ArgumentError);
+  f.alloc.check_invariants();
+}
+
+TEST(Hybrid, FreeIsAllOrNothing) {
+  Fixture f(256, 128, 16);
+  const V a = f.extend({0}, {16}, {-1}, 16);
+  f.alloc.free_full(a);  // full side gone, SWA still mapped
+  const auto before = f.alloc.backup_state();
+  EXPECT_THROW(f.alloc.free(a), ArgumentError);  // full double free: SWA must stay untouched
+  EXPECT_TRUE(f.alloc.backup_state() == before);
+}
+
+TEST(Hybrid, BatchedEvictionMatchesOneSegmentFreeAtATime) {
+  const int64_t ps = 4, window = 8, row_len = 64;
+  Fixture batched(512, 512, ps), single(512, 512, ps);
+  V req_to_token(static_cast<size_t>(3 * row_len));
+  const V lens{40, 10, 33};
+  for (int64_t r = 0; r < 3; ++r) {
+    const V a = batched.extend({0}, {lens[r]}, {-1}, lens[r]);
+    const V b = single.extend({0}, {lens[r]}, {-1}, lens[r]);
+    ASSERT_EQ(a, b);
+    std::copy(a.begin(), a.end(), req_to_token.begin() + r * row_len);
+  }
+  const V rows{2, 0, 1}, pre{33, 40, 10}, evicted{0, 8, 0};
+  V next(3);
+  batched.alloc.evict_out_of_window(req_to_token.data(), 3, row_len, rows, pre, evicted, window, 1, false, next.data());
+  EXPECT_EQ(next, (V{24, 32, 0}));
+  for (size_t j = 0; j < rows.size(); ++j) {
+    if (next[j] == evicted[j]) continue;
+    const int64_t* row = req_to_token.data() + rows[j] * row_len;
+    single.alloc.free_swa_segment(V(row + evicted[j], row + next[j]), evicted[j]);
+  }
+  EXPECT_TRUE(batched.alloc.backup_state() == single.alloc.backup_state());
+  batched.alloc.check_invariants();
+}
+
+TEST(Hybrid, InvariantCheckCatchesAStaleMapping) {
+  Fixture f(256, 128, 16);
+  const V a = f.extend({0}, {16}, {-1}, 16);
+  const int64_t swa_slot = f.mapping[a[0]];
+  f.alloc.free_swa(a);
+  f.mapping[a[0]] = swa_slot;  // a caller writing behind the allocator's back
+  EXPECT_THROW(f.alloc.check_invariants(), std::logic_error);
+}
