@@ -16,7 +16,11 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 def native_extension():
     sources = sorted(glob.glob(os.path.join("csrc", "core", "*.cpp"))) + [os.path.join("csrc", "torch", "bindings.cpp")]
     cxx_flags = ["-O3", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
-    return CppExtension("swa_ext._C", sources, extra_compile_args={"cxx": cxx_flags})
+    link_flags = []
+    if os.environ.get("SWA_EXT_SANITIZE") == "1":  # for the sanitizer job of .ci/run
+        cxx_flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"]
+        link_flags += ["-fsanitize=address,undefined"]
+    return CppExtension("swa_ext._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
 
 
 setup(

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv (torch 2.13.0 CPU and the test/plot dependencies) if needed and builds
+# swa_ext into it in place. Sourced by the other scripts; safe to run again.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SWA_EXT_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+
+if [[ ! -x "$PY" ]]; then
+  python3 -m venv "$VENV"
+fi
+if ! "$PY" -c "import torch, pytest, hypothesis, tqdm, matplotlib, ninja" >/dev/null 2>&1; then
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q "torch==2.13.0" numpy pytest hypothesis tqdm matplotlib setuptools wheel ninja
+fi
+# Rebuilds only what changed (ninja); --no-build-isolation builds against the venv's torch.
+MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"
