@@ -1,4 +1,6 @@
 """swa_ext: the KV cache page allocator for hybrid sliding-window-attention LLMs."""
+import torch  # noqa: F401  (loads libtorch, which the native module links against)
+
 from . import _C
 from .allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 

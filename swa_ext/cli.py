@@ -14,7 +14,7 @@ PROG = "swa-ext"
 # Defaults of the simulate command; the README's description of the default run
 # depends on them.
 DEFAULT_MODEL = "gpt-oss-20b"
-DEFAULT_MAX_REQUESTS = 3000
+DEFAULT_MAX_REQUESTS = 10000
 DEFAULT_TIME_SCALE = 0.02
 DEFAULT_STEP_MS = 20.0
 

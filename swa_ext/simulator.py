@@ -3,9 +3,9 @@ step over a request trace with the real ``swa_ext`` allocator and the
 ``swa_ext.decode`` lifecycle.
 
 Each step: requests that have arrived are preallocated in FIFO order while the
-pools can hold them and one more decode step of the batch; the batch decodes one
-token per request (one ``alloc_decode``); SWA KV that fell out of the window is
-freed; finished requests are released. When the decode allocation is refused,
+pools can hold them and still leave the pages this step's decode takes; the
+batch decodes one token per request (one ``alloc_decode``); SWA KV that fell out
+of the window is freed; finished requests are released. When the decode allocation is refused,
 the newest running request is retracted (released and put back at the head of
 the queue, keeping the tokens it has produced) and the allocation retried.
 
@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from swa_ext.models import ModelConfig
 from swa_ext.traces import Request
@@ -97,7 +98,7 @@ class Node:
 
 def _pages_needed(policy: str, total_len: int, window: int, page_size: int) -> tuple[int, int]:
     """Full and SWA pages a request of final length ``total_len`` may hold at
-    once, plus the page of decode headroom it is admitted with."""
+    once, plus one: enough for any (re)admission and the decode step after it."""
     full = _cdiv(total_len, page_size)
     swa = full if policy != "tail" else min(full, tail_swa_pages_bound(window, page_size))
     return full + 1, swa + 1
@@ -229,6 +230,19 @@ def _percentile(values: list[int], q: float) -> float:
     return float(ordered[rank - 1])
 
 
+class _Stopwatch:
+    """Adds up the wall time spent inside its ``with`` blocks."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.total += time.perf_counter() - self._start
+
+
 def default_allocator(size_full: int, size_swa: int, page_size: int):
     from swa_ext import SWATokenToKVPoolAllocator
 
@@ -255,13 +269,13 @@ def simulate(node: Node, policy: str, *, allocator_factory=default_allocator, pr
     targets = [r.prompt_len + r.output_len for r in requests]
     max_len = max(targets)
     # Every running request holds at least one full page.
-    max_running = min(n, full_pages_total)
-    req_pool = decode.ReqToTokenPool(max_running, max_len, "cpu")
+    req_pool = decode.ReqToTokenPool(min(n, full_pages_total), max_len, "cpu", dtype=torch.int64)
     req_to_token = req_pool.req_to_token
 
     steps_per_s = 1000.0 / node.step_ms
     arrival_step = [int(r.arrival_s * node.time_scale * steps_per_s) for r in requests]
-    waited = [0] * n
+    waited = [0] * n  # steps in the queue, over all of a request's admissions
+    completed_waits: list[int] = []
     enqueued_at = [0] * n
     queue: deque[tuple[int, int]] = deque()  # (request, tokens to preallocate)
 
@@ -274,7 +288,8 @@ def simulate(node: Node, policy: str, *, allocator_factory=default_allocator, pr
 
     res = PolicyResult(policy, size_full, size_swa, ps, requests=n, skipped=node.skipped)
     alloc_us: list[float] = []
-    running_sum = 0
+    # One token per running request per step: the decode tokens are also the
+    # running-request steps.
     decode_tokens = 0
     next_arrival = 0
     step = arrival_step[0]
@@ -285,15 +300,14 @@ def simulate(node: Node, policy: str, *, allocator_factory=default_allocator, pr
         nonlocal rows, seq_lens, evicted, target_lens
         i = batch_req.pop()
         row, seq_len, ev = int(rows[-1]), int(seq_lens[-1]), int(evicted[-1])
-        decode.release(allocator, req_to_token, row, seq_len, ev)
+        with watch:
+            decode.release(allocator, req_to_token, row, seq_len, ev)
         req_pool.free(row)
         rows, seq_lens, evicted, target_lens = rows[:-1], seq_lens[:-1], evicted[:-1], target_lens[:-1]
         queue.appendleft((i, seq_len))
         enqueued_at[i] = step
         res.retractions += 1
         res.retracted_tokens += seq_len
-
-    from tqdm import tqdm
 
     bar = tqdm(total=n, desc=f"{node.model.name} {policy}", unit="req", disable=None if progress else True, leave=False)
     with bar:
@@ -305,34 +319,37 @@ def simulate(node: Node, policy: str, *, allocator_factory=default_allocator, pr
             if not batch_req and not queue:
                 step = arrival_step[next_arrival]
                 continue
-            spent = 0.0
+            watch = _Stopwatch()  # allocator calls of this step
 
-            # Admission, FIFO, keeping one page per running request free on each
-            # pool so the coming decode step fits.
+            # Admission, FIFO, while the pools hold the request and leave the
+            # pages the coming decode step takes (a request whose committed length
+            # is a page multiple starts a new page).
             free_full = allocator.full_available_size() // ps
             free_swa = allocator.swa_available_size() // ps
+            step_pages = int((seq_lens % ps == 0).sum())
             new_req, new_rows, new_seq, new_ev = [], [], [], []
             while queue:
                 i, fill = queue[0]
                 admit_window = window if policy == "tail" else fill
                 tail = decode.swa_tail_len(fill, admit_window, ps)
-                bs = len(batch_req) + len(new_req) + 1
-                need_full, need_swa = _cdiv(fill, ps), _cdiv(tail, ps)
-                if need_full + bs > free_full or need_swa + bs > free_swa:
+                first_page = int(fill % ps == 0)
+                need_full = _cdiv(fill, ps) + first_page
+                need_swa = _cdiv(tail, ps) + first_page
+                if need_full + step_pages > free_full or need_swa + step_pages > free_swa:
                     break
                 got = req_pool.alloc(1)
                 if got is None:
                     break
-                t0 = time.perf_counter()
-                placed = decode.pre_alloc(allocator, req_to_token, got[0], fill, admit_window)
-                spent += time.perf_counter() - t0
+                with watch:
+                    placed = decode.pre_alloc(allocator, req_to_token, got[0], fill, admit_window)
                 if placed is None:
                     req_pool.free(got[0])
                     break
                 queue.popleft()
                 waited[i] += step - enqueued_at[i]
-                free_full -= need_full
-                free_swa -= need_swa
+                free_full -= need_full - first_page
+                free_swa -= need_swa - first_page
+                step_pages += first_page
                 new_req.append(i)
                 new_rows.append(got[0])
                 new_seq.append(fill)
@@ -345,17 +362,16 @@ def simulate(node: Node, policy: str, *, allocator_factory=default_allocator, pr
                 target_lens = torch.cat([target_lens, torch.tensor([targets[i] for i in new_req], dtype=torch.int64)])
 
             # One decode token per running request.
-            t0 = time.perf_counter()
             while batch_req:
                 new_lens = seq_lens + 1
                 last_loc = req_to_token[rows, seq_lens - 1]
-                out = allocator.alloc_decode(new_lens, new_lens, last_loc)
+                with watch:
+                    out = allocator.alloc_decode(new_lens, new_lens, last_loc)
                 if out is not None:
                     req_to_token[rows, seq_lens] = out
                     seq_lens = new_lens
                     break
                 retract_newest()
-            spent += time.perf_counter() - t0
             bs = len(batch_req)
             if bs:
                 full_used = full_pages_total - allocator.full_available_size() // ps
@@ -369,40 +385,37 @@ def simulate(node: Node, policy: str, *, allocator_factory=default_allocator, pr
                 res.peak_full_pages = max(res.peak_full_pages, full_used)
                 res.peak_swa_pages = max(res.peak_swa_pages, swa_used)
                 res.max_swa_pages_per_request = max(res.max_swa_pages_per_request, per_req_swa)
-                running_sum += bs
                 decode_tokens += bs
 
                 if evicts:
-                    t0 = time.perf_counter()
-                    evicted = decode.evict_out_of_window(allocator, req_to_token, rows, seq_lens - 1, evicted, window)
-                    spent += time.perf_counter() - t0
+                    pre_lens = seq_lens - 1
+                    with watch:
+                        evicted = decode.evict_out_of_window(allocator, req_to_token, rows, pre_lens, evicted, window)
 
                 done = seq_lens >= target_lens
                 if bool(done.any()):
-                    t0 = time.perf_counter()
                     for k in done.nonzero().flatten().tolist():
-                        row = int(rows[k])
-                        decode.release(allocator, req_to_token, row, int(seq_lens[k]), int(evicted[k]))
+                        row, seq_len, i = int(rows[k]), int(seq_lens[k]), batch_req[k]
+                        with watch:
+                            decode.release(allocator, req_to_token, row, seq_len, int(evicted[k]))
                         req_pool.free(row)
-                    spent += time.perf_counter() - t0
+                        res.completed_lens[requests[i].rid] = seq_len
+                        completed_waits.append(waited[i])
                     keep = ~done
-                    for k in done.nonzero().flatten().tolist():
-                        res.completed_lens[batch_req[k]] = int(seq_lens[k])
                     batch_req = [r for r, d in zip(batch_req, done.tolist()) if not d]
                     rows, seq_lens, evicted, target_lens = rows[keep], seq_lens[keep], evicted[keep], target_lens[keep]
                     finished = int(done.sum())
                     res.completed += finished
                     bar.update(finished)
                     last_step = step
-            alloc_us.append(spent * 1e6)
+            alloc_us.append(watch.total * 1e6)
             step += 1
 
     res.steps = last_step - first_step + 1
-    res.mean_running = running_sum / res.steps
+    res.mean_running = decode_tokens / res.steps
     res.decode_tokens_per_step = decode_tokens / res.steps
-    waits = [waited[i] for i in res.completed_lens]
-    res.queue_wait_p50_steps = _percentile(waits, 50)
-    res.queue_wait_p99_steps = _percentile(waits, 99)
+    res.queue_wait_p50_steps = _percentile(completed_waits, 50)
+    res.queue_wait_p99_steps = _percentile(completed_waits, 99)
     res.alloc_us_per_step_median = statistics.median(alloc_us) if alloc_us else 0.0
     return res
 
@@ -457,11 +470,13 @@ def plot(node: Node, results: dict[str, PolicyResult], path: str) -> None:
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     for policy, r in results.items():
         t = [s * node.step_ms / 1000.0 for s in r.timeline_step]
-        line = axes[0].plot(t, r.timeline_running, label=policy, lw=0.9)[0]
+        # evict and tail often coincide; dashes keep both visible.
+        style = {"lw": 0.9, "ls": "--" if policy == "evict" else "-"}
+        line = axes[0].plot(t, r.timeline_running, label=policy, **style)[0]
         color = line.get_color()
-        axes[1].plot(t, [p * page_gib["full"] for p in r.timeline_full_pages], color=color, lw=0.9)
+        axes[1].plot(t, [p * page_gib["full"] for p in r.timeline_full_pages], color=color, **style)
         axes[1].axhline(r.size_full // ps * page_gib["full"], color=color, ls=":", lw=0.8)
-        axes[2].plot(t, [p * page_gib["swa"] for p in r.timeline_swa_pages], color=color, lw=0.9)
+        axes[2].plot(t, [p * page_gib["swa"] for p in r.timeline_swa_pages], color=color, **style)
         axes[2].axhline(r.size_swa // ps * page_gib["swa"], color=color, ls=":", lw=0.8)
     axes[0].set_ylabel("running requests")
     axes[1].set_ylabel("full pool in use (GiB)")

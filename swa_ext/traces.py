@@ -117,8 +117,10 @@ def load_trace(path: str | Path | None = None, limit: int | None = None) -> list
     """The first ``limit`` requests of a trace (all when None), sorted by arrival.
     The format follows the suffix: ``.jsonl`` / ``.json`` is Mooncake, else CSV."""
     path = Path(path) if path is not None else DEFAULT_TRACE
-    if not path.is_file():
+    if not path.exists():
         raise TraceError(f"{path}: no such trace file")
+    if not path.is_file():
+        raise TraceError(f"{path}: not a file")
     try:
         if path.suffix.lower() in (".jsonl", ".json"):
             rows = _read_mooncake(path, limit)

@@ -33,14 +33,15 @@ void HybridAllocator::write_mapping(const int64_t* full_slots, const int64_t* sw
 }
 
 void HybridAllocator::check_swa_continuation(const Batch& batch) const {
+  const PageGeometry& page = full_->geometry();
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j);
-    if (prefix % page_size_ == 0 || batch.seq_lens[j] == prefix) continue;  // no partial page continued
+    if (page.offset(prefix) == 0 || batch.seq_lens[j] == prefix) continue;  // no partial page continued
     const int64_t last = batch.last_loc[j], swa_last = mapping_[last];
     if (swa_last <= 0)
       fail("last_loc", "entry ", j, " (", last, ") has no SWA slot to continue its partial page (evicted?)");
     const int64_t swa_page = swa_->page_of("last_loc", swa_last);
-    if (swa_last % page_size_ != last % page_size_ || swa_->state(swa_page) != PageState::kHeld)
+    if (page.offset(swa_last) != page.offset(last) || swa_->state(swa_page) != PageState::kHeld)
       fail("last_loc", "entry ", j, " (", last, ") maps to SWA slot ", swa_last, ", which is not a live slot at the same page offset");
   }
 }
@@ -163,20 +164,6 @@ void HybridAllocator::claim_swa_of_pages(PageClaim& claim, Span indices, std::ve
   }
 }
 
-void HybridAllocator::claim_swa_of_segment(PageClaim& claim, const char* arg, Span indices, int64_t start_pos,
-                                           std::vector<int64_t>& full_pages) const {
-  if (start_pos < 0 || start_pos % page_size_ != 0)
-    fail("start_pos", start_pos, " is not page-aligned (page size ", page_size_, ")");
-  for (int64_t i = 0; i < indices.size; i += page_size_) {
-    const int64_t full_slot = indices[i];
-    const int64_t page = full_->page_of(arg, full_slot);
-    const int64_t swa_slot = mapping_[full_slot];
-    if (swa_slot <= 0) fail(arg, "full slot ", full_slot, " has no SWA slot (already evicted or never mapped)");
-    claim.add(arg, swa_->page_of(arg, swa_slot), false);
-    full_pages.push_back(page);
-  }
-}
-
 void HybridAllocator::clear_mapping_of_pages(const std::vector<int64_t>& full_pages) {
   for (int64_t page : full_pages) std::fill(mapping_ + page * page_size_, mapping_ + (page + 1) * page_size_, 0);
 }
@@ -190,10 +177,17 @@ void HybridAllocator::free_swa(Span indices) {
   swa_->finish(swa_claim);
 }
 
+void HybridAllocator::claim_swa_of_segment(PageClaim& claim, Span indices, int64_t start_pos,
+                                           std::vector<int64_t>& full_pages) const {
+  full_->check_segment_start(start_pos);
+  const auto rep_at = [&](int64_t i) { return indices[i * page_size_]; };
+  claim_swa_of_reps(claim, "indices", full_->geometry().pages_for(indices.size), rep_at, full_pages);
+}
+
 void HybridAllocator::free_swa_segment(Span indices, int64_t start_pos) {
   PageClaim swa_claim(*swa_, false);
   std::vector<int64_t> full_pages;
-  claim_swa_of_segment(swa_claim, "indices", indices, start_pos, full_pages);
+  claim_swa_of_segment(swa_claim, indices, start_pos, full_pages);
   clear_mapping_of_pages(full_pages);
   swa_->finish(swa_claim);
 }
@@ -214,7 +208,7 @@ void HybridAllocator::free(Span indices) {
     swa_->finish(swa_claim);
   } else {
     PageClaim swa_claim(*swa_, false);
-    claim_swa_of_segment(swa_claim, "indices", indices, 0, full_pages);
+    claim_swa_of_segment(swa_claim, indices, 0, full_pages);
     clear_mapping_of_pages(full_pages);
     swa_->finish(swa_claim);
   }
@@ -226,7 +220,7 @@ void HybridAllocator::free_segment(Span indices, int64_t start_pos) {
   full_->claim_segment(full_claim, "indices", indices, start_pos);
   PageClaim swa_claim(*swa_, false);
   std::vector<int64_t> full_pages;
-  claim_swa_of_segment(swa_claim, "indices", indices, start_pos, full_pages);
+  claim_swa_of_segment(swa_claim, indices, start_pos, full_pages);
   clear_mapping_of_pages(full_pages);
   swa_->finish(swa_claim);
   full_->finish(full_claim);

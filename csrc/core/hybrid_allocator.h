@@ -81,9 +81,12 @@ class HybridAllocator {
   void write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n);
   // SWA pages mapped from the pages of `indices` (free_swa), claimed; full pages noted.
   void claim_swa_of_pages(PageClaim& claim, Span indices, std::vector<int64_t>& full_pages) const;
-  // SWA pages of the representatives indices[::page_size] (free_swa_segment), claimed.
-  void claim_swa_of_segment(PageClaim& claim, const char* arg, Span indices, int64_t start_pos,
-                            std::vector<int64_t>& full_pages) const;
+  // SWA pages of num_reps page representatives (free_swa_segment: indices[::page_size]),
+  // claimed; rep_at(i) reads the i-th. The full pages are noted for clearing.
+  template <class RepAt>
+  void claim_swa_of_reps(PageClaim& claim, const char* arg, int64_t num_reps, const RepAt& rep_at,
+                         std::vector<int64_t>& full_pages) const;
+  void claim_swa_of_segment(PageClaim& claim, Span indices, int64_t start_pos, std::vector<int64_t>& full_pages) const;
   void clear_mapping_of_pages(const std::vector<int64_t>& full_pages);
   // A page-mode free of SWA slots by value, the way free_swa hands them to the pool.
   bool swa_frees_by_index() const { return page_size_ > 1; }
@@ -107,7 +110,6 @@ void HybridAllocator::evict_out_of_window(const Slot* req_to_token, int64_t num_
   // Validate and claim everything first; the frees happen only if all of it holds.
   PageClaim claim(*swa_, false);
   std::vector<int64_t> full_pages, request_end(static_cast<size_t>(bs));
-  std::vector<int64_t> row_slots;
   for (int64_t j = 0; j < bs; ++j) {
     const int64_t row = rows[j], pre_len = pre_lens[j], evicted = evicted_seqlens[j];
     if (row < 0 || row >= num_rows) fail("rows", "entry ", j, " (", row, ") is outside [0, ", num_rows, ")");
@@ -117,9 +119,9 @@ void HybridAllocator::evict_out_of_window(const Slot* req_to_token, int64_t num_
     const int64_t next = evicted_after_step(evicted, pre_len, window, page_size_, interval, prefix_sharing);
     new_evicted[j] = next;
     if (next > evicted) {
-      const Slot* row_slot = req_to_token + row * row_len;
-      row_slots.assign(row_slot + evicted, row_slot + next);
-      claim_swa_of_segment(claim, "req_to_token", Span(row_slots), evicted, full_pages);
+      const Slot* segment = req_to_token + row * row_len + evicted;  // page-aligned: one rep per page
+      const auto rep_at = [segment, this](int64_t i) { return static_cast<int64_t>(segment[i * page_size_]); };
+      claim_swa_of_reps(claim, "req_to_token", full_->geometry().page(next - evicted), rep_at, full_pages);
     }
     request_end[j] = static_cast<int64_t>(claim.pages().size());
   }
@@ -137,6 +139,19 @@ void HybridAllocator::evict_out_of_window(const Slot* req_to_token, int64_t num_
     pages.assign(claim.pages().begin() + begin, claim.pages().begin() + request_end[j]);
     begin = request_end[j];
     swa_->release(pages);
+  }
+}
+
+template <class RepAt>
+void HybridAllocator::claim_swa_of_reps(PageClaim& claim, const char* arg, int64_t num_reps, const RepAt& rep_at,
+                                        std::vector<int64_t>& full_pages) const {
+  for (int64_t i = 0; i < num_reps; ++i) {
+    const int64_t full_slot = rep_at(i);
+    const int64_t page = full_->page_of(arg, full_slot);
+    const int64_t swa_slot = mapping_[full_slot];
+    if (swa_slot <= 0) fail(arg, "full slot ", full_slot, " has no SWA slot (already evicted or never mapped)");
+    claim.add(arg, swa_->page_of(arg, swa_slot), false);
+    full_pages.push_back(page);
   }
 }
 

@@ -37,7 +37,7 @@ void PageClaim::add(const char* arg, int64_t page, bool repeat_ok) {
 }
 
 PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort)
-    : size_(size), page_size_(page_size), num_pages_(0), need_sort_(need_sort) {
+    : size_(size), page_size_(page_size), num_pages_(0), geometry_(page_size), need_sort_(need_sort) {
   if (page_size < 1) fail("page_size", "must be >= 1, got ", page_size);
   if (size < page_size) fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
   num_pages_ = size / page_size;
@@ -132,7 +132,7 @@ int64_t PagePool::page_of(const char* arg, int64_t index) const {
   if (index < page_size_ || index >= index_end())
     fail(arg, "index ", index, " is outside the pool's slots [", page_size_, ", ", index_end(),
          ") (page 0 is the padding page)");
-  return index / page_size_;
+  return geometry_.page(index);
 }
 
 void PagePool::check_page_id(const char* arg, int64_t page) const {
@@ -156,14 +156,14 @@ int64_t PagePool::check_batch(const Batch& batch, int64_t extend_num_tokens) con
       if (last != -1) fail("last_loc", "entry ", j, " is ", last, " but the request has no prefix (expected -1)");
     } else {
       const int64_t page = page_of("last_loc", last);
-      if (last % page_size_ != (prefix - 1) % page_size_)
+      if (geometry_.offset(last) != geometry_.offset(prefix - 1))
         fail("last_loc", "entry ", j, " (", last, ") is not where a prefix of ", prefix,
              " tokens ends in its page (page size ", page_size_, ")");
       if (state_[page] != PageState::kHeld)
         fail("last_loc", "entry ", j, " (", last, ") lies in page ", page, ", which is not allocated");
     }
     tokens += seq - prefix;
-    pages += new_page_count(prefix, seq, page_size_);
+    pages += new_page_count(prefix, seq, geometry_);
   }
   if (extend_num_tokens >= 0 && tokens != extend_num_tokens)
     fail("extend_num_tokens", "is ", extend_num_tokens, " but seq_lens - prefix_lens sums to ", tokens);
@@ -211,9 +211,13 @@ void PagePool::claim_indices(PageClaim& claim, const char* arg, Span indices) co
   for (int64_t i = 0; i < indices.size; ++i) claim.add(arg, page_of(arg, indices[i]), !token_mode());
 }
 
-void PagePool::claim_segment(PageClaim& claim, const char* indices_arg, Span indices, int64_t start_pos) const {
-  if (start_pos < 0 || start_pos % page_size_ != 0)
+void PagePool::check_segment_start(int64_t start_pos) const {
+  if (start_pos < 0 || geometry_.offset(start_pos) != 0)
     fail("start_pos", start_pos, " is not page-aligned (page size ", page_size_, ")");
+}
+
+void PagePool::claim_segment(PageClaim& claim, const char* indices_arg, Span indices, int64_t start_pos) const {
+  check_segment_start(start_pos);
   // Every page_size-th index stands for its page.
   for (int64_t i = 0; i < indices.size; i += page_size_) claim.add(indices_arg, page_of(indices_arg, indices[i]), false);
 }

@@ -68,6 +68,7 @@ class PagePool {
 
   int64_t size() const { return size_; }
   int64_t page_size() const { return page_size_; }
+  const PageGeometry& geometry() const { return geometry_; }
   int64_t num_pages() const { return num_pages_; }
   bool need_sort() const { return need_sort_; }
   bool token_mode() const { return page_size_ == 1; }
@@ -117,6 +118,7 @@ class PagePool {
   // Claims the pages of token indices as free() does.
   void claim_indices(PageClaim& claim, const char* arg, Span indices) const;
   void claim_segment(PageClaim& claim, const char* indices_arg, Span indices, int64_t start_pos) const;
+  void check_segment_start(int64_t start_pos) const;
   // Commits a claim: the pages go to the open group's queue, or are released now.
   void finish(PageClaim& claim);
   // Pages into the free list or staging, in this order.
@@ -134,6 +136,7 @@ class PagePool {
   void reset_state();
 
   int64_t size_, page_size_, num_pages_;
+  PageGeometry geometry_;
   bool need_sort_;
   // The free list is ring_[head_ .. head_ + free_count_) modulo num_pages_: the page
   // pool prepends and the token pool appends, and both fit because a page is in at
@@ -155,8 +158,8 @@ void PagePool::write_slots(const Batch& batch, const LastLoc& last_loc, int64_t*
     const int64_t last = last_loc(j);
     const auto page_at_offset = [this, page_offset](int64_t k) { return page_at(page_offset + k); };
     for (int64_t t = 0; t < seq - prefix; ++t)
-      out[pos++] = extend_slot(t, prefix, seq, last, page_size_, page_at_offset);
-    page_offset += new_page_count(prefix, seq, page_size_);
+      out[pos++] = extend_slot(t, prefix, seq, last, geometry_, page_at_offset);
+    page_offset += new_page_count(prefix, seq, geometry_);
   }
 }
 

@@ -14,11 +14,32 @@ namespace swa {
 
 SWA_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-SWA_HD int64_t floor_to_page(int64_t n, int64_t page_size) { return (n / page_size) * page_size; }
+// Page arithmetic of one page size on non-negative slots and lengths. Page sizes are
+// powers of two in practice; shifts and masks then keep integer division (tens of
+// cycles each) off the per-request paths.
+struct PageGeometry {
+  int64_t size;
+  int shift;  // log2(size) when size is a power of two, else -1
+
+  SWA_HD explicit PageGeometry(int64_t page_size) : size(page_size), shift(-1) {
+    if (page_size > 0 && (page_size & (page_size - 1)) == 0)
+      for (shift = 0; (int64_t{1} << shift) < page_size; ++shift) {
+      }
+  }
+  SWA_HD int64_t page(int64_t slot) const { return shift >= 0 ? slot >> shift : slot / size; }
+  SWA_HD int64_t offset(int64_t slot) const { return shift >= 0 ? slot & (size - 1) : slot % size; }
+  SWA_HD int64_t pages_for(int64_t tokens) const { return page(tokens + size - 1); }
+  SWA_HD int64_t floor(int64_t tokens) const { return tokens - offset(tokens); }
+};
+
+SWA_HD int64_t floor_to_page(int64_t n, int64_t page_size) { return PageGeometry(page_size).floor(n); }
 
 // Pages a request gains when it grows from prefix_len to seq_len tokens.
+SWA_HD int64_t new_page_count(int64_t prefix_len, int64_t seq_len, const PageGeometry& page) {
+  return page.pages_for(seq_len) - page.pages_for(prefix_len);
+}
 SWA_HD int64_t new_page_count(int64_t prefix_len, int64_t seq_len, int64_t page_size) {
-  return cdiv(seq_len, page_size) - cdiv(prefix_len, page_size);
+  return new_page_count(prefix_len, seq_len, PageGeometry(page_size));
 }
 
 // Slot of the t-th new token of one request growing from prefix_len to seq_len.
@@ -27,13 +48,18 @@ SWA_HD int64_t new_page_count(int64_t prefix_len, int64_t seq_len, int64_t page_
 // step is the case prefix_len = seq_len - 1, a fresh allocation prefix_len = 0.
 template <class PageAt>
 SWA_HD int64_t extend_slot(int64_t t, int64_t prefix_len, int64_t seq_len, int64_t last_loc,
-                           int64_t page_size, const PageAt& page_at) {
-  const int64_t prefix_page_end = cdiv(prefix_len, page_size) * page_size;
+                           const PageGeometry& page, const PageAt& page_at) {
+  const int64_t prefix_page_end = page.pages_for(prefix_len) * page.size;
   const int64_t in_partial_page =
       (seq_len < prefix_page_end ? seq_len : prefix_page_end) - prefix_len;
   if (t < in_partial_page) return last_loc + 1 + t;
   const int64_t u = t - in_partial_page;
-  return page_at(u / page_size) * page_size + u % page_size;
+  return page_at(page.page(u)) * page.size + page.offset(u);
+}
+template <class PageAt>
+SWA_HD int64_t extend_slot(int64_t t, int64_t prefix_len, int64_t seq_len, int64_t last_loc,
+                           int64_t page_size, const PageAt& page_at) {
+  return extend_slot(t, prefix_len, seq_len, last_loc, PageGeometry(page_size), page_at);
 }
 
 // Decode side of disaggregation: how many of the last tokens of a seq_len-token

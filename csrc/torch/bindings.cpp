@@ -42,7 +42,7 @@ struct IntArg {
 
 IntArg int_arg(const char* name, const py::handle& obj, const c10::Device& device) {
   if (!THPVariable_Check(obj.ptr()))
-    throw py::type_error(std::string(name) + ": expected a torch.Tensor, got " + std::string(py::str(obj.get_type().attr("__name__"))));
+    throw py::type_error(std::string(name) + ": expected a torch.Tensor, got " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
   const at::Tensor& t = THPVariable_Unpack(obj.ptr());
   if (t.scalar_type() != at::kLong && t.scalar_type() != at::kInt)
     throw py::type_error(std::string(name) + ": expected an int64 or int32 tensor, got " + std::string(c10::toString(t.scalar_type())));
@@ -146,7 +146,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("page_size"), py::arg("interval") = 1, py::arg("prefix_sharing") = false);
   // The cheapest native call over an allocation's arguments: the floor benchmarks compare with.
   m.def("bench_floor", [](const py::args& args) { return args[args.size() - 1]; });
-  m.def("new_page_count", &swa::new_page_count, py::arg("prefix_len"), py::arg("seq_len"), py::arg("page_size"));
+  m.def("new_page_count", [](int64_t prefix_len, int64_t seq_len, int64_t page_size) {
+          return swa::new_page_count(prefix_len, seq_len, page_size);
+        }, py::arg("prefix_len"), py::arg("seq_len"), py::arg("page_size"));
 
   py::class_<swa::HybridAllocator::State>(m, "AllocatorState")
       .def("__eq__", [](const swa::HybridAllocator::State& a, const swa::HybridAllocator::State& b) { return a == b; });

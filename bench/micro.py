@@ -1,0 +1,779 @@
+"""Microbenchmarks of the native SWA allocator (``swa-ext bench``).
+
+Every measured case is one allocator call (or, for ``alloc_extend_swa_tail``, a
+batch-1 operation, one call per request of the batch) made from the same
+allocator state every iteration. Three implementations are timed in the same
+process, alternating inside one loop (the order rotates every iteration):
+
+* ``native``: ``swa_ext.SWATokenToKVPoolAllocator``;
+* ``baseline``: ``swa_ext_bench.BaselineSWAAllocator``, the same contract in
+  plain torch tensor operations, the way SGLang 0.5.23 writes it (for
+  ``evict_out_of_window``: the per-request loop ``evict_per_request`` over it);
+* ``floor``: ``swa_ext._C.bench_floor``, the cheapest native call, given the
+  same tensors plus a preallocated output tensor that it returns.
+
+Only the call is timed (``time.perf_counter_ns``); restoring the state
+(``backup_state`` once, ``restore_state`` before every timed call) and, on
+CUDA, synchronising the device happen outside the timed region, so CUDA times
+are host time per call. torch runs with one intra-op thread by default
+(``--threads``): at these sizes its thread pool only adds barrier waits to the
+baseline's small tensor ops, and on a loaded machine outliers of milliseconds.
+Each timed call follows another implementation's call and a state restore, so
+caches are about as cold for the floor as for the other two; measured in a
+tight loop of its own, a call (the floor included) is faster.
+
+The state of a case with batch ``B`` and page size ``ps`` (window ``W = 128``
+tokens, both pools ``B * 640`` tokens) is ``B`` running requests, request ``j``
+with ``pre_j = 128 + 64 * (j % 3) + (j + 1) % ps`` committed tokens, allocated
+by one ``alloc_extend``, whose out-of-window SWA KV was evicted as of the
+previous decode step. The calls measured on it:
+
+* ``alloc_decode``: one token per request, ``seq = pre + 1``; exactly the
+  requests with ``(j + 1) % ps == 0`` (``B // ps`` of them) cross into a new
+  page (every request at ``ps == 1``);
+* ``alloc_extend``: the next prefill chunk of every request, ``1 + (37 j) % 128``
+  tokens on top of its unaligned prefix (all three parts of the layout);
+* ``alloc_extend_swa_tail``: ``B`` new requests preallocated one call each
+  (prefix 0, ``L = 128 + (37 j) % 128``, tail ``swa_tail_len(L, W, ps)``);
+* ``free_segment``: one call on every request's page-aligned in-window run
+  ``row[evicted:(pre // ps) * ps]``, concatenated;
+* ``free``: one call on every request's in-window tokens ``row[evicted:pre]``,
+  concatenated (the requests finishing);
+* ``evict_out_of_window``: the decode step's window eviction over the ``B``
+  requests (the ``B // ps`` at a page boundary each free one page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+import swa_ext
+from swa_ext import _C
+
+from .baseline import BaselineSWAAllocator
+from .evict_baseline import evict_per_request, evict_target
+
+__all__ = ["OPS", "DEFAULT_BATCH_SIZES", "DEFAULT_PAGE_SIZES", "run", "to_markdown", "plot", "main"]
+
+OPS = (
+    "alloc_decode",
+    "alloc_extend",
+    "alloc_extend_swa_tail",
+    "free_segment",
+    "free",
+    "evict_out_of_window",
+)
+DEFAULT_BATCH_SIZES = (1, 16, 256, 2048)
+DEFAULT_PAGE_SIZES = (1, 16, 64)
+IMPLS = ("native", "baseline", "floor")
+
+WINDOW = 128  # tokens (gpt-oss's sliding window)
+POOL_TOKENS_PER_REQUEST = 640
+ROW_LEN = 1024  # req_to_token columns
+SMOKE_MAX_BATCH = 8
+SMOKE_ITERS = 3
+DEFAULT_SECONDS_PER_CASE = 0.8  # adaptive iteration count: time spent per case
+MIN_ITERS, MAX_ITERS = 5, 400
+
+# Goals the README reports against (not timed tests).
+GOAL_CPU = dict(op="alloc_decode", batch_size=256, page_size=64, min_speedup=10.0, max_floor_ratio=3.0)
+GOAL_CUDA = dict(op="alloc_decode", min_speedup=3.0)
+
+NOTES = {
+    "alloc_decode": "1 call; B//ps requests cross a page (all at ps=1)",
+    "alloc_extend": "1 call; B chunks of 1..128 tokens on unaligned prefixes",
+    "alloc_extend_swa_tail": "B calls (batch-1 op), one per new request",
+    "free_segment": "1 call; B page-aligned in-window runs",
+    "free": "1 call; B requests' in-window tokens",
+    "evict_out_of_window": "1 batched call vs per-request loop; B//ps evict a page",
+}
+
+
+def floor_fn():
+    """The floor callable and its description."""
+    f = getattr(_C, "bench_floor", None)
+    if f is not None:
+        return f, "swa_ext._C.bench_floor"
+    # An extension built before bench_floor existed: the nearest stand-in.
+    return (lambda *args: args[-1]), "python lambda (this build lacks swa_ext._C.bench_floor)"
+
+
+def default_devices() -> List[str]:
+    devices = ["cpu"]
+    if torch.cuda.is_available() and swa_ext.built_with_cuda():
+        devices.append("cuda")
+    return devices
+
+
+def _native_evict():
+    """The batched native eviction: ``swa_ext.decode.evict_out_of_window`` when it
+    exists, else the allocator's method."""
+    try:
+        from swa_ext import decode  # type: ignore
+
+        fn = getattr(decode, "evict_out_of_window", None)
+    except ImportError:
+        fn = None
+    if fn is not None:
+        return fn, "swa_ext.decode.evict_out_of_window"
+    return None, "SWATokenToKVPoolAllocator.evict_out_of_window"
+
+
+# ---------------------------------------------------------------------------
+# State
+
+
+def _i64(values, device="cpu"):
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+class _Case:
+    """Native and baseline allocators in the same state, and every op's inputs."""
+
+    def __init__(self, batch: int, page_size: int, device: str):
+        ps, B = page_size, batch
+        self.batch, self.page_size, self.device = B, ps, device
+        dev = torch.device(device)
+        size = -(-B * POOL_TOKENS_PER_REQUEST // ps) * ps
+        self.native = swa_ext.SWATokenToKVPoolAllocator(size, size, ps, torch.bfloat16, dev)
+        self.base = BaselineSWAAllocator(size, size, ps, torch.bfloat16, dev)
+
+        pre = [128 + 64 * (j % 3) + (j + 1) % ps for j in range(B)]
+        self.pre = pre
+        zeros = _i64([0] * B)
+        pre_cpu = _i64(pre)
+        last = _i64([-1] * B, dev)
+        n = sum(pre)
+        args = (zeros.to(dev), zeros, pre_cpu.to(dev), pre_cpu, last, n)
+        out_n = self.native.alloc_extend(*args)
+        out_b = self.base.alloc_extend(*args)
+        if out_n is None or out_b is None or not torch.equal(out_n.cpu(), out_b.cpu()):
+            raise RuntimeError(f"state setup diverged (B={B}, ps={ps})")
+        r2t = torch.zeros(B, ROW_LEN, dtype=torch.int32)
+        off = 0
+        flat = out_n.cpu()
+        for j, L in enumerate(pre):
+            r2t[j, :L] = flat[off : off + L].to(torch.int32)
+            off += L
+        self.req_to_token = r2t.to(dev)
+        rows = list(range(B))
+        # Window eviction as of the previous decode step (pre_len - 1).
+        prev = [0] * B
+        ev_n = evict_per_request(self.native, self.req_to_token, rows, [p - 1 for p in pre], prev, WINDOW, ps)
+        ev_b = evict_per_request(self.base, self.req_to_token, rows, [p - 1 for p in pre], prev, WINDOW, ps)
+        assert ev_n == ev_b
+        self.evicted = ev_n
+        self._check_same_avail("setup")
+        self.state_native = self.native.backup_state()
+        self.state_base = self.base.backup_state()
+
+    def _check_same_avail(self, what):
+        a = (self.native.full_available_size(), self.native.swa_available_size())
+        b = (self.base.full_available_size(), self.base.swa_available_size())
+        if a != b:
+            raise RuntimeError(f"{what}: available sizes differ, native {a} vs baseline {b}")
+
+    def restore_native(self):
+        self.native.restore_state(self.state_native)
+
+    def restore_base(self):
+        self.base.restore_state(self.state_base)
+
+    # Each returns (native_fn, baseline_fn, floor_fn), zero-argument callables.
+    def op(self, name: str, floor: Callable):
+        return getattr(self, "_op_" + name)(floor)
+
+    def _op_alloc_decode(self, floor):
+        B, ps, dev = self.batch, self.page_size, self.device
+        seq_cpu = _i64([p + 1 for p in self.pre])
+        seq = seq_cpu.to(dev)
+        last = self.req_to_token[torch.arange(B, device=dev), _i64(self.pre, dev) - 1].to(torch.int64)
+        out = torch.empty(B, dtype=torch.int64, device=dev)
+        nat, base = self.native.alloc_decode, self.base.alloc_decode
+        return (
+            lambda: nat(seq, seq_cpu, last),
+            lambda: base(seq, seq_cpu, last),
+            lambda: floor(seq, seq_cpu, last, out),
+        )
+
+    def _op_alloc_extend(self, floor):
+        B, dev = self.batch, self.device
+        ext = [1 + (37 * j) % 128 for j in range(B)]
+        pre_cpu = _i64(self.pre)
+        seq_cpu = _i64([p + e for p, e in zip(self.pre, ext)])
+        pre, seq = pre_cpu.to(dev), seq_cpu.to(dev)
+        last = self.req_to_token[torch.arange(B, device=dev), pre - 1].to(torch.int64)
+        n = sum(ext)
+        out = torch.empty(n, dtype=torch.int64, device=dev)
+        nat, base = self.native.alloc_extend, self.base.alloc_extend
+        return (
+            lambda: nat(pre, pre_cpu, seq, seq_cpu, last, n),
+            lambda: base(pre, pre_cpu, seq, seq_cpu, last, n),
+            lambda: floor(pre, pre_cpu, seq, seq_cpu, last, out),
+        )
+
+    def _op_alloc_extend_swa_tail(self, floor):
+        B, ps, dev = self.batch, self.page_size, self.device
+        calls, floor_calls = [], []
+        for j in range(B):
+            L = 128 + (37 * j) % 128
+            tail = _C.swa_tail_len(L, WINDOW, ps)
+            z_cpu, l_cpu = _i64([0]), _i64([L])
+            z, l, last = z_cpu.to(dev), l_cpu.to(dev), _i64([-1], dev)
+            calls.append((z, z_cpu, l, l_cpu, last, L, tail))
+            floor_calls.append((z, z_cpu, l, l_cpu, last, torch.empty(L, dtype=torch.int64, device=dev)))
+        nat, base = self.native.alloc_extend_swa_tail, self.base.alloc_extend_swa_tail
+        return (
+            lambda: [nat(*c) for c in calls],
+            lambda: [base(*c) for c in calls],
+            lambda: [floor(*c) for c in floor_calls],
+        )
+
+    def _segments(self, aligned: bool):
+        ps = self.page_size
+        parts = []
+        for j, (p, e) in enumerate(zip(self.pre, self.evicted)):
+            end = (p // ps) * ps if aligned else p
+            if end > e:
+                parts.append(self.req_to_token[j, e:end])
+        if not parts:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.cat(parts).to(torch.int64)
+
+    def _op_free_segment(self, floor):
+        idx = self._segments(aligned=True)
+        out = torch.empty(0, dtype=torch.int64, device=self.device)
+        nat, base = self.native.free_segment, self.base.free_segment
+        return (
+            lambda: nat(idx, start_pos=0),
+            lambda: base(idx, start_pos=0),
+            lambda: floor(idx, out),
+        )
+
+    def _op_free(self, floor):
+        idx = self._segments(aligned=False)
+        out = torch.empty(0, dtype=torch.int64, device=self.device)
+        nat, base = self.native.free, self.base.free
+        return (lambda: nat(idx), lambda: base(idx), lambda: floor(idx, out))
+
+    def _op_evict_out_of_window(self, floor):
+        B, ps = self.batch, self.page_size
+        r2t = self.req_to_token
+        rows = torch.arange(B, dtype=torch.int64)
+        pre = _i64(self.pre)
+        evicted = _i64(self.evicted)
+        out = torch.empty(B, dtype=torch.int64)
+        native_fn, _ = _native_evict()
+        nat_alloc, base = self.native, self.base
+        if native_fn is not None:
+            nat = lambda: native_fn(nat_alloc, r2t, rows, pre, evicted, WINDOW)  # noqa: E731
+        else:
+            meth = nat_alloc.evict_out_of_window
+            nat = lambda: meth(r2t, rows, pre, evicted, WINDOW)  # noqa: E731
+        return (
+            nat,
+            lambda: evict_per_request(base, r2t, rows, pre, evicted, WINDOW, ps),
+            lambda: floor(r2t, rows, pre, evicted, out),
+        )
+
+    def same_result(self, name, r_native, r_base) -> bool:
+        """Native and baseline agree on the call's result and the state after it."""
+
+        def norm(r):
+            if r is None:
+                return None
+            if isinstance(r, torch.Tensor):
+                return r.cpu().tolist()
+            if isinstance(r, (list, tuple)):
+                return [norm(x) for x in r]
+            return r
+
+        try:
+            self._check_same_avail(name)
+        except RuntimeError:
+            return False
+        return norm(r_native) == norm(r_base)
+
+
+# ---------------------------------------------------------------------------
+# Timing
+
+
+def _stats(ns: Sequence[int]) -> Dict[str, float]:
+    xs = sorted(ns)
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
+    return {"median": float(statistics.median(xs)), "p10": float(q[0]), "p90": float(q[-1])}
+
+
+def _measure(case: _Case, fns, iters: Optional[int], seconds: float, warmup: int,
+             flush: Optional[torch.Tensor] = None):
+    nat, base, flo = fns
+    cuda = case.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    slots = (
+        ("native", nat, case.restore_native),
+        ("baseline", base, case.restore_base),
+        ("floor", flo, None),
+    )
+    times: Dict[str, List[int]] = {k: [] for k in IMPLS}
+    clock = time.perf_counter_ns
+
+    # First (untimed) round: the results must agree.
+    case.restore_native()
+    case.restore_base()
+    r_nat = nat()
+    r_base = base()
+    sync()
+    match = case.same_result("result", r_nat, r_base)
+    del r_nat, r_base
+
+    def one_round(i, record):
+        for k in range(3):
+            name, fn, restore = slots[(i + k) % 3]
+            if restore is not None:
+                restore()
+            if flush is not None:
+                flush.add_(1)  # evict the caches: every call starts cold
+            sync()
+            t0 = clock()
+            r = fn()
+            t1 = clock()
+            sync()
+            del r
+            if record:
+                times[name].append(t1 - t0)
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # run() collected once up front; reference counting frees the rest
+    try:
+        started = time.perf_counter()
+        one_round(0, False)
+        per_round = time.perf_counter() - started
+        # A second warm-up round unless one round already eats a tenth of the budget.
+        for i in range(1, warmup if per_round * 10 < seconds else 1):
+            t = time.perf_counter()
+            one_round(i, False)
+            per_round = time.perf_counter() - t
+        if iters is None:
+            iters = int(max(MIN_ITERS, min(MAX_ITERS, seconds / max(per_round, 1e-9))))
+        for i in range(iters):
+            one_round(i, True)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    case.restore_native()
+    case.restore_base()
+    return times, iters, match
+
+
+def run(
+    ops: Optional[Sequence[str]] = None,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES,
+    devices: Optional[Sequence[str]] = None,
+    iters: Optional[int] = None,
+    smoke: bool = False,
+    seconds_per_case: float = DEFAULT_SECONDS_PER_CASE,
+    progress: bool = False,
+    threads: Optional[int] = 1,
+    flush_cache_mb: int = 0,
+) -> List[dict]:
+    """Measure every (device, page size, batch size, op) case; one row dict each.
+
+    ``iters=None`` picks the iteration count per case so that each takes about
+    ``seconds_per_case`` (at least 5, at most 400 rounds of the three
+    implementations). ``smoke`` caps the batch sizes at 8 and runs 3 iterations
+    (unless ``iters`` is given), so that the whole thing takes seconds.
+    ``threads``: torch's intra-op threads during the run (default 1: at these
+    sizes the pool only adds barrier waits, and on a loaded machine large
+    outliers, to the baseline's tensor ops; ``None`` leaves torch's setting).
+    ``flush_cache_mb > 0``: before every timed call, write a buffer of that
+    size (make it bigger than the last-level cache) so that all three
+    implementations start from cold caches whatever their restore touched.
+    """
+    ops = list(OPS if ops is None else ops)
+    for op in ops:
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+    batch_sizes = [int(b) for b in batch_sizes]
+    page_sizes = [int(p) for p in page_sizes]
+    if any(b <= 0 for b in batch_sizes) or any(p <= 0 for p in page_sizes):
+        raise ValueError("batch and page sizes must be positive")
+    if smoke:
+        batch_sizes = sorted({min(b, SMOKE_MAX_BATCH) for b in batch_sizes})
+        if iters is None:
+            iters = SMOKE_ITERS
+    warmup = 1 if smoke else 2
+    devices = list(default_devices() if devices is None else devices)
+    for d in devices:
+        if d.startswith("cuda") and not (torch.cuda.is_available() and swa_ext.built_with_cuda()):
+            raise ValueError("CUDA requested, but no GPU is visible or swa_ext was built without CUDA")
+    floor, floor_name = floor_fn()
+    _, evict_name = _native_evict()
+
+    gc.collect()
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    try:
+        flush = None
+        if flush_cache_mb > 0:
+            flush = torch.zeros(int(flush_cache_mb) * (1 << 20) // 8, dtype=torch.int64)
+        return _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case,
+                    progress, floor, floor_name, evict_name, flush)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case, progress,
+         floor, floor_name, evict_name, flush):
+    rows: List[dict] = []
+    total = len(devices) * len(page_sizes) * len(batch_sizes) * len(ops)
+    done = 0
+    for device in devices:
+        for ps in page_sizes:
+            for B in batch_sizes:
+                case = _Case(B, ps, device)
+                for op in ops:
+                    fns = case.op(op, floor)
+                    times, n, match = _measure(case, fns, iters, seconds_per_case, warmup, flush)
+                    row = {
+                        "device": device,
+                        "op": op,
+                        "batch_size": B,
+                        "page_size": ps,
+                        "iters": n,
+                        "calls": B if op == "alloc_extend_swa_tail" else 1,
+                        "note": NOTES[op],
+                        "results_match": match,
+                        "floor_impl": floor_name,
+                        "torch_threads": torch.get_num_threads(),
+                        "flush_cache_mb": 0 if flush is None else flush.numel() * 8 >> 20,
+                    }
+                    if op == "evict_out_of_window":
+                        row["native_impl"] = evict_name
+                    for impl in IMPLS:
+                        s = _stats(times[impl])
+                        for k, v in s.items():
+                            row[f"{impl}_{k}_us"] = v / 1000.0
+                    row["speedup_vs_baseline"] = row["baseline_median_us"] / row["native_median_us"]
+                    row["ratio_to_floor"] = row["native_median_us"] / row["floor_median_us"]
+                    rows.append(row)
+                    done += 1
+                    if progress:
+                        print(
+                            f"[{done}/{total}] {device} {op} B={B} ps={ps}: "
+                            f"native {row['native_median_us']:.2f} us, "
+                            f"baseline {row['baseline_median_us']:.2f} us, "
+                            f"floor {row['floor_median_us']:.2f} us "
+                            f"(x{row['speedup_vs_baseline']:.1f} vs baseline, "
+                            f"{row['ratio_to_floor']:.1f}x floor, {n} iters)"
+                            + ("" if match else "  RESULTS DIFFER"),
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                del case
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Reports
+
+
+def goals(rows: Sequence[dict]) -> List[dict]:
+    """The issue's goals, evaluated on the rows that measure them."""
+    out = []
+    g = GOAL_CPU
+    for r in rows:
+        key = (r["device"], r["op"], r["batch_size"], r["page_size"])
+        if key == ("cpu", g["op"], g["batch_size"], g["page_size"]):
+            ok = r["speedup_vs_baseline"] >= g["min_speedup"] and r["ratio_to_floor"] <= g["max_floor_ratio"]
+            out.append({
+                "goal": f"cpu alloc_decode B={g['batch_size']} ps={g['page_size']}: "
+                f">= {g['min_speedup']:g}x faster than baseline, <= {g['max_floor_ratio']:g}x floor",
+                "speedup_vs_baseline": r["speedup_vs_baseline"],
+                "ratio_to_floor": r["ratio_to_floor"],
+                "met": bool(ok),
+            })
+    for r in rows:
+        if r["device"].startswith("cuda") and r["op"] == GOAL_CUDA["op"]:
+            out.append({
+                "goal": f"cuda alloc_decode B={r['batch_size']} ps={r['page_size']}: "
+                f">= {GOAL_CUDA['min_speedup']:g}x lower host time than baseline",
+                "speedup_vs_baseline": r["speedup_vs_baseline"],
+                "ratio_to_floor": r["ratio_to_floor"],
+                "met": bool(r["speedup_vs_baseline"] >= GOAL_CUDA["min_speedup"]),
+            })
+    return out
+
+
+def _fmt_us(x: float) -> str:
+    if x >= 1000:
+        return f"{x:,.0f}"
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}"
+
+
+def _cell(r, impl):
+    return (
+        f"{_fmt_us(r[impl + '_median_us'])} "
+        f"({_fmt_us(r[impl + '_p10_us'])}–{_fmt_us(r[impl + '_p90_us'])})"
+    )
+
+
+def to_markdown(rows: Sequence[dict]) -> str:
+    """Markdown: one table (medians, p10–p90, ratios) and the goals."""
+    lines = [
+        "Times in µs per measured call: median (p10–p90). "
+        "`×base` = baseline median / native median; `×floor` = native median / floor median.",
+        "",
+        "| device | op | batch | page | native µs | baseline µs | floor µs | ×base | ×floor | iters |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        flag = "" if r.get("results_match", True) else " ⚠"
+        lines.append(
+            f"| {r['device']} | {r['op']}{flag} | {r['batch_size']} | {r['page_size']} | "
+            f"{_cell(r, 'native')} | {_cell(r, 'baseline')} | {_cell(r, 'floor')} | "
+            f"{r['speedup_vs_baseline']:.1f} | {r['ratio_to_floor']:.1f} | {r['iters']} |"
+        )
+    ops_seen = list(dict.fromkeys(r["op"] for r in rows))
+    if ops_seen:
+        lines += ["", "What one measured call covers (B = batch size, ps = page size):", ""]
+        lines += [f"- `{op}`: {NOTES[op]}" for op in ops_seen]
+    if any(not r.get("results_match", True) for r in rows):
+        lines += ["", "⚠: native and baseline results differed on this case."]
+    if rows:
+        lines += ["", f"Floor: {rows[0]['floor_impl']}."]
+    gs = goals(rows)
+    if gs:
+        lines += ["", "Goals:", ""]
+        for g in gs:
+            lines.append(
+                f"- {g['goal']}: {g['speedup_vs_baseline']:.1f}x vs baseline, "
+                f"{g['ratio_to_floor']:.1f}x floor: **{'met' if g['met'] else 'not met'}**"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def report(rows: Sequence[dict]) -> dict:
+    """The JSON document: environment, rows and goals."""
+    return {
+        "meta": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "cpu_count": __import__("os").cpu_count(),
+            "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "window": WINDOW,
+            "pool_tokens_per_request": POOL_TOKENS_PER_REQUEST,
+            "timer": "time.perf_counter_ns around the call only (host time)",
+        },
+        "rows": list(rows),
+        "goals": goals(rows),
+    }
+
+
+def plot(rows: Sequence[dict], path) -> None:
+    """PNG: median time vs batch size, one panel per (device, op); colour = page
+    size, line style = implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    devices = list(dict.fromkeys(r["device"] for r in rows))
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    page_sizes = sorted({r["page_size"] for r in rows})
+    ncols = min(3, max(1, len(ops)))
+    per_dev = -(-len(ops) // ncols)
+    nrows = max(1, per_dev * len(devices))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.8 * nrows), squeeze=False)
+    styles = {"native": "-", "baseline": "--", "floor": ":"}
+    markers = {"native": "o", "baseline": "s", "floor": "."}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for di, dev in enumerate(devices):
+        for oi, op in enumerate(ops):
+            ax = axes[di * per_dev + oi // ncols][oi % ncols]
+            ax.set_visible(True)
+            for pi, ps in enumerate(page_sizes):
+                sel = sorted(
+                    (r for r in rows if r["device"] == dev and r["op"] == op and r["page_size"] == ps),
+                    key=lambda r: r["batch_size"],
+                )
+                if not sel:
+                    continue
+                xs = [r["batch_size"] for r in sel]
+                for impl in IMPLS:
+                    ys = [r[f"{impl}_median_us"] for r in sel]
+                    lo = [r[f"{impl}_median_us"] - r[f"{impl}_p10_us"] for r in sel]
+                    hi = [r[f"{impl}_p90_us"] - r[f"{impl}_median_us"] for r in sel]
+                    ax.errorbar(
+                        xs, ys, yerr=[lo, hi], linestyle=styles[impl], marker=markers[impl],
+                        color=colors[pi % len(colors)], capsize=2, linewidth=1.2, markersize=4,
+                        label=f"{impl} ps={ps}",
+                    )
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{dev}: {op}", fontsize=10)
+            ax.set_xlabel("batch size")
+            ax.set_ylabel("µs per call (median, p10–p90)")
+            ax.grid(True, which="both", alpha=0.3)
+            if oi == 0:
+                ax.legend(fontsize=7, ncol=1)
+    fig.suptitle("swa_ext allocator: native vs SGLang-style torch baseline vs native-call floor", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+PROG = "swa-ext bench"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+
+def _int_list(values: Sequence[str], what: str) -> List[int]:
+    out = []
+    for v in values:
+        for part in str(v).split(","):
+            if not part.strip():
+                continue
+            try:
+                n = int(part)
+            except ValueError:
+                raise _UsageError(f"{PROG}: error: {what}: not an integer: {part!r}") from None
+            if n <= 0:
+                raise _UsageError(f"{PROG}: error: {what}: must be positive, got {n}")
+            out.append(n)
+    if not out:
+        raise _UsageError(f"{PROG}: error: {what}: empty")
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Microbenchmarks of the native SWA allocator against the SGLang-style "
+        "torch baseline and the native-call floor, measured alternating in one process.",
+    )
+    p.add_argument("--ops", nargs="+", metavar="OP",
+                   help=f"ops to measure, comma- or space-separated (default: all of {','.join(OPS)})")
+    p.add_argument("--batch-sizes", nargs="+", metavar="N",
+                   help="batch sizes (default 1,16,256,2048)")
+    p.add_argument("--page-sizes", nargs="+", metavar="N", help="page sizes (default 1,16,64)")
+    p.add_argument("--device", action="append", choices=["cpu", "cuda", "all"],
+                   help="device to measure on (repeatable; default: cpu, and cuda when a GPU is "
+                   "visible and swa_ext was built with CUDA)")
+    p.add_argument("--iters", type=int, metavar="N",
+                   help="timed iterations per case (default: as many as fit in --seconds-per-case)")
+    p.add_argument("--seconds-per-case", type=float, default=DEFAULT_SECONDS_PER_CASE, metavar="S",
+                   help="time budget of one case when --iters is not given "
+                   f"(default {DEFAULT_SECONDS_PER_CASE:g})")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads during the run (default 1; 0: leave torch's default)")
+    p.add_argument("--flush-cache-mb", type=int, default=0, metavar="MB",
+                   help="before every timed call write a buffer of MB megabytes, so that every "
+                   "call starts with cold caches (default 0: off; use more than the L3 size)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"tiny run: batch sizes capped at {SMOKE_MAX_BATCH}, {SMOKE_ITERS} iterations")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="write the markdown table")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+        ops = None
+        if args.ops:
+            ops = [o.strip() for v in args.ops for o in v.split(",") if o.strip()]
+            bad = [o for o in ops if o not in OPS]
+            if bad:
+                raise _UsageError(f"{PROG}: error: unknown op(s) {', '.join(bad)}; known: {', '.join(OPS)}")
+        batch_sizes = (_int_list(args.batch_sizes, "--batch-sizes") if args.batch_sizes
+                       else DEFAULT_BATCH_SIZES)
+        page_sizes = _int_list(args.page_sizes, "--page-sizes") if args.page_sizes else DEFAULT_PAGE_SIZES
+        if args.iters is not None and args.iters <= 0:
+            raise _UsageError(f"{PROG}: error: --iters must be positive")
+        if args.flush_cache_mb < 0:
+            raise _UsageError(f"{PROG}: error: --flush-cache-mb must be >= 0")
+        if args.threads < 0:
+            raise _UsageError(f"{PROG}: error: --threads must be >= 0")
+        if not args.seconds_per_case > 0:
+            raise _UsageError(f"{PROG}: error: --seconds-per-case must be positive")
+        devices = None
+        if args.device:
+            devices = []
+            for d in args.device:
+                for x in (default_devices() if d == "all" else [d]):
+                    if x not in devices:
+                        devices.append(x)
+            if "cuda" in devices and not (torch.cuda.is_available() and swa_ext.built_with_cuda()):
+                raise _UsageError(
+                    f"{PROG}: error: --device cuda: no GPU visible or swa_ext built without CUDA"
+                )
+        for out in (args.json, args.markdown, args.plot):
+            if out and not Path(out).resolve().parent.is_dir():
+                raise _UsageError(f"{PROG}: error: no directory for {out}")
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+
+    started = time.perf_counter()
+    rows = run(
+        ops=ops,
+        batch_sizes=batch_sizes,
+        page_sizes=page_sizes,
+        devices=devices,
+        iters=args.iters,
+        smoke=args.smoke,
+        seconds_per_case=args.seconds_per_case,
+        progress=not args.quiet,
+        threads=args.threads if args.threads > 0 else None,
+        flush_cache_mb=args.flush_cache_mb,
+    )
+    md = to_markdown(rows)
+    print(md)
+    print(f"wall time {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    if args.markdown:
+        Path(args.markdown).write_text(md, encoding="utf-8")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report(rows), f, indent=2)
+            f.write("\n")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
