@@ -578,9 +578,10 @@ class SWAAllocatorRef:
     # ---- allocation
 
     def alloc(self, need_size) -> list[int] | None:
+        # SGLang's hybrid alloc() takes any page multiple; the traces use it at page size 1.
         n = _int(need_size, "alloc: need_size")
-        _require(self.page_size == 1, "alloc: only at page size 1 (use alloc_extend)")
-        _require(n >= 0, f"alloc: need_size {n} < 0")
+        _require(n >= 0 and n % self.page_size == 0,
+                 f"alloc: need_size {n} is not a multiple of the page size {self.page_size}")
         if n > self.full_available_size() or n > self.swa_available_size():
             return None
         full = self.full_attn_allocator.alloc(n)

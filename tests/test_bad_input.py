@@ -406,15 +406,16 @@ def test_paged_alloc_not_a_page_multiple(paged):
     for n in (1, w.ps - 1, w.ps + 1):
         expect(w, ValueError, "alloc", n, target=lambda x: x.full_attn_allocator)
         expect(w, ValueError, "alloc", n, target=lambda x: x.swa_attn_allocator)
-        expect(w, ValueError, "alloc", n, ref=False)  # the hybrid (reference: page size 1 only)
+        expect(w, ValueError, "alloc", n)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "SPEC.md section 4 and the reference allow the hybrid alloc() at page size 1 only; "
-    "the native allocator accepts page multiples at page size > 1 (as SGLang 0.5.23 itself does). "
-    "Reported; the contract owner decides which side changes."))
-def test_hybrid_alloc_at_page_size_above_one_is_refused_per_spec(paged):
-    expect(paged, ValueError, "alloc", paged.ps)
+def test_hybrid_alloc_of_whole_pages_agrees_with_reference(paged):
+    """alloc() of a page multiple works at page size > 1 too, as in SGLang."""
+    w = paged
+    got = w.native.alloc(2 * w.ps)
+    want = w.ref.alloc(2 * w.ps)
+    assert got is not None and got.tolist() == want
+    assert w.native.translate_loc_from_full_to_swa(got).tolist() == w.ref.translate_loc_from_full_to_swa(want)
 
 
 def test_bad_constructor_arguments():

@@ -291,7 +291,7 @@ BAD_CALLS = {
     "swa_tail batch 2": lambda a, f1, f2: a.alloc_extend_swa_tail([0, 0], [0, 0], [4, 4], [4, 4], [-1, -1], 8, 4),
     "swa_tail longer than extend": lambda a, f1, f2: a.alloc_extend_swa_tail([0], [0], [4], [4], [-1], 4, 5),
     "swa_tail negative": lambda a, f1, f2: a.alloc_extend_swa_tail([0], [0], [4], [4], [-1], 4, -1),
-    "hybrid alloc at page size 4": lambda a, f1, f2: a.alloc(4),
+    "hybrid alloc not a page multiple": lambda a, f1, f2: a.alloc(6),
     "translate past the mapping": lambda a, f1, f2: a.translate_loc_from_full_to_swa([1000]),
     "set mapping mismatched": lambda a, f1, f2: a.set_full_to_swa_mapping([4, 5], [4]),
 }

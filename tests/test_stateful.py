@@ -432,7 +432,6 @@ class AllocatorMachine(RuleBasedStateMachine):
             kinds.append("swa_segment_unmapped")
         kind = data.draw(st.sampled_from(sorted(kinds)))
         last_page_end = (self.native.size_full // ps + 1) * ps
-        swa_end = (self.native.size_swa // ps + 1) * ps
         if kind == "mismatched":
             self._expect_error("alloc_extend", T([0, 0]), T([0, 0]), T([1, 2]), T([1, 2]), T([-1]), 3)
         elif kind == "ext_disagrees":
@@ -456,7 +455,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         elif kind == "tail_too_long":
             self._expect_error("alloc_extend_swa_tail", *self._lens([0], [2]), T([-1]), 2, 3)
         elif kind == "free_free_page":
-            # a page that is free in the SWA pool: name it through set_full_to_swa_mapping? No: free it in full.
+            # a full page no live request holds
             held = {t // ps for t in self._row_tokens()}
             free_pages = [p for p in range(1, self.native.size_full // ps + 1) if p not in held]
             if not free_pages or self.group_open:
@@ -475,7 +474,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             rid = data.draw(st.sampled_from(live))
             q = self.reqs[rid]
             if not q.row or ps == 1:
-                self._expect_error("alloc_decode", T([1]), T([1]), T([swa_end * 0 + 5]))
+                self._expect_error("alloc_decode", T([1]), T([1]), T([5]))
                 return
             seq = len(q.row) + 1
             self._expect_error("alloc_decode", T([seq]), T([seq]), T([q.row[-1] + 1 if q.row[-1] % ps != ps - 1 else q.row[-1] - 1]))
