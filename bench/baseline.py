@@ -90,7 +90,48 @@ def _extend_layout(prefix_lens, seq_lens, last_loc, new_pages, page_size, n_toke
     return out
 
 
-class BaselineTokenAllocator:
+class _BaselinePool:
+    """What SGLang's two pool classes share: tensor free lists, staging, free groups."""
+
+    def clear(self):
+        self.free_pages = torch.arange(1, self.size // self.page_size + 1, dtype=_I64, device=self.device)
+        self.release_pages = torch.empty((0,), dtype=_I64, device=self.device)
+        self.is_not_in_free_group = True
+        self.free_group = []
+        self.free_group_pages = []
+
+    def available_size(self):
+        return (len(self.free_pages) + len(self.release_pages)) * self.page_size
+
+    def merge_and_sort_free(self):
+        if len(self.release_pages) > 0:
+            self.free_pages = torch.cat((self.free_pages, self.release_pages))
+            self.free_pages, _ = torch.sort(self.free_pages)
+            self.release_pages = torch.empty((0,), dtype=_I64, device=self.device)
+
+    def free_group_begin(self):
+        self.is_not_in_free_group = False
+        self.free_group = []
+        self.free_group_pages = []
+
+    def free_group_end(self):
+        self.is_not_in_free_group = True
+        if self.free_group:
+            self.free(torch.cat(self.free_group))
+        if self.free_group_pages:
+            self.free_page_ids(torch.cat(self.free_group_pages))
+        self.free_group = []
+        self.free_group_pages = []
+
+    def backup_state(self):
+        # The tensors are never written in place, so references suffice.
+        return (self.free_pages, self.release_pages)
+
+    def restore_state(self, state):
+        self.free_pages, self.release_pages = state
+
+
+class BaselineTokenAllocator(_BaselinePool):
     """Token pool, ``page_size == 1`` (SGLang's ``TokenToKVPoolAllocator``).
 
     Frees are appended to the end of the free list (or staged in
@@ -104,21 +145,6 @@ class BaselineTokenAllocator:
         self.device = device
         self.need_sort = need_sort
         self.clear()
-
-    def clear(self):
-        self.free_pages = torch.arange(1, self.size + 1, dtype=_I64, device=self.device)
-        self.release_pages = torch.empty((0,), dtype=_I64, device=self.device)
-        self.is_not_in_free_group = True
-        self.free_group = []
-
-    def available_size(self):
-        return len(self.free_pages) + len(self.release_pages)
-
-    def merge_and_sort_free(self):
-        if len(self.release_pages) > 0:
-            self.free_pages = torch.cat((self.free_pages, self.release_pages))
-            self.free_pages, _ = torch.sort(self.free_pages)
-            self.release_pages = torch.empty((0,), dtype=_I64, device=self.device)
 
     def alloc(self, need_size):
         if self.need_sort and need_size > len(self.free_pages):
@@ -147,25 +173,8 @@ class BaselineTokenAllocator:
     def free_segment(self, free_index, start_pos=0):
         self.free(free_index)
 
-    def free_group_begin(self):
-        self.is_not_in_free_group = False
-        self.free_group = []
 
-    def free_group_end(self):
-        self.is_not_in_free_group = True
-        if self.free_group:
-            self.free(torch.cat(self.free_group))
-        self.free_group = []
-
-    def backup_state(self):
-        # The tensors are never written in place, so references suffice.
-        return (self.free_pages, self.release_pages)
-
-    def restore_state(self, state):
-        self.free_pages, self.release_pages = state
-
-
-class BaselinePagedAllocator:
+class BaselinePagedAllocator(_BaselinePool):
     """Page pool, ``page_size > 1`` (SGLang's ``PagedTokenToKVPoolAllocator``).
 
     Released pages are prepended to the free list (or staged in
@@ -181,22 +190,6 @@ class BaselinePagedAllocator:
         self.need_sort = need_sort
         self._pos_in_page = torch.arange(page_size, dtype=_I64, device=device)
         self.clear()
-
-    def clear(self):
-        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=_I64, device=self.device)
-        self.release_pages = torch.empty((0,), dtype=_I64, device=self.device)
-        self.is_not_in_free_group = True
-        self.free_group = []
-        self.free_group_pages = []
-
-    def available_size(self):
-        return (len(self.free_pages) + len(self.release_pages)) * self.page_size
-
-    def merge_and_sort_free(self):
-        if len(self.release_pages) > 0:
-            self.free_pages = torch.cat((self.free_pages, self.release_pages))
-            self.free_pages, _ = torch.sort(self.free_pages)
-            self.release_pages = torch.empty((0,), dtype=_I64, device=self.device)
 
     def _release(self, pages):
         if self.need_sort:
@@ -283,26 +276,6 @@ class BaselinePagedAllocator:
     def free_segment(self, free_index, start_pos=0):
         # start_pos is page-aligned: every page_size-th index starts a page.
         self.free_page_ids(free_index[:: self.page_size] // self.page_size)
-
-    def free_group_begin(self):
-        self.is_not_in_free_group = False
-        self.free_group = []
-        self.free_group_pages = []
-
-    def free_group_end(self):
-        self.is_not_in_free_group = True
-        if self.free_group:
-            self.free(torch.cat(self.free_group))
-        if self.free_group_pages:
-            self.free_page_ids(torch.cat(self.free_group_pages))
-        self.free_group = []
-        self.free_group_pages = []
-
-    def backup_state(self):
-        return (self.free_pages, self.release_pages)
-
-    def restore_state(self, state):
-        self.free_pages, self.release_pages = state
 
 
 class BaselineSWAAllocator:

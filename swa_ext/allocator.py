@@ -52,9 +52,7 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     """
 
     def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False):
-        device = torch.device(device)
-        mapping = torch.zeros(size + page_size + 1, dtype=torch.int64, device=device)
-        super().__init__(size, size_swa, page_size, device, need_sort, mapping)
+        super().__init__(size, size_swa, page_size, torch.device(device), need_sort)
         self.dtype = dtype
         self._kvcache = kvcache
         pool_class = _pool_class(page_size)

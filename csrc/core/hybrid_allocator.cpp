@@ -46,6 +46,16 @@ void HybridAllocator::check_swa_continuation(const Batch& batch) const {
   }
 }
 
+void HybridAllocator::write_batch(const Batch& batch, int64_t num_slots, int64_t need_pages, OutBuffer& out) {
+  int64_t* full_slots = out.get(num_slots);
+  swa_slots_.resize(static_cast<size_t>(num_slots));
+  full_->write_slots(batch, [&](int64_t j) { return batch.last_loc[j]; }, full_slots);
+  swa_->write_slots(batch, [&](int64_t j) { return swa_last_loc(batch.last_loc[j]); }, swa_slots_.data());
+  write_mapping(full_slots, swa_slots_.data(), num_slots);
+  full_->take(need_pages);
+  swa_->take(need_pages);
+}
+
 bool HybridAllocator::alloc(int64_t need_size, OutBuffer& out) {
   if (need_size < 0) fail("need_size", "is negative (", need_size, ")");
   if (need_size % page_size_ != 0) fail("need_size", need_size, " is not a multiple of the page size ", page_size_);
@@ -54,15 +64,7 @@ bool HybridAllocator::alloc(int64_t need_size, OutBuffer& out) {
   full_->merge_before_alloc(need_pages);
   swa_->merge_before_alloc(need_pages);
   const int64_t zero = 0, minus_one = -1;
-  const Batch whole{Span(&zero, 1), Span(&need_size, 1), Span(&minus_one, 1), false};
-  const auto fresh = [](int64_t) { return int64_t{-1}; };
-  int64_t* full_slots = out.get(need_size);
-  swa_slots_.resize(static_cast<size_t>(need_size));
-  full_->write_slots(whole, fresh, full_slots);
-  swa_->write_slots(whole, fresh, swa_slots_.data());
-  write_mapping(full_slots, swa_slots_.data(), need_size);
-  full_->take(need_pages);
-  swa_->take(need_pages);
+  write_batch(Batch{Span(&zero, 1), Span(&need_size, 1), Span(&minus_one, 1), false}, need_size, need_pages, out);
   return true;
 }
 
@@ -72,13 +74,7 @@ bool HybridAllocator::alloc_extend(const Batch& batch, int64_t extend_num_tokens
   if (!new_pages_available(need, need)) return false;
   full_->merge_before_extend(need, extend_num_tokens, batch.size());
   swa_->merge_before_extend(need, extend_num_tokens, batch.size());
-  int64_t* full_slots = out.get(extend_num_tokens);
-  swa_slots_.resize(static_cast<size_t>(extend_num_tokens));
-  full_->write_slots(batch, [&](int64_t j) { return batch.last_loc[j]; }, full_slots);
-  swa_->write_slots(batch, [&](int64_t j) { return swa_last_loc(batch.last_loc[j]); }, swa_slots_.data());
-  write_mapping(full_slots, swa_slots_.data(), extend_num_tokens);
-  full_->take(need);
-  swa_->take(need);
+  write_batch(batch, extend_num_tokens, need, out);
   return true;
 }
 
@@ -115,14 +111,7 @@ bool HybridAllocator::alloc_decode(const Batch& batch, OutBuffer& out) {
   if (!new_pages_available(need, need)) return false;
   full_->merge_before_alloc(batch.size());
   swa_->merge_before_alloc(batch.size());
-  const int64_t bs = batch.size();
-  int64_t* full_slots = out.get(bs);
-  swa_slots_.resize(static_cast<size_t>(bs));
-  full_->write_slots(batch, [&](int64_t j) { return batch.last_loc[j]; }, full_slots);
-  swa_->write_slots(batch, [&](int64_t j) { return swa_last_loc(batch.last_loc[j]); }, swa_slots_.data());
-  write_mapping(full_slots, swa_slots_.data(), bs);
-  full_->take(need);
-  swa_->take(need);
+  write_batch(batch, batch.size(), need, out);
   return true;
 }
 

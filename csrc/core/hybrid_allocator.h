@@ -79,6 +79,8 @@ class HybridAllocator {
   int64_t swa_last_loc(int64_t last) const { return last < 0 ? -1 : mapping_[last]; }
   void check_swa_continuation(const Batch& batch) const;
   void write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n);
+  // Both pools grow the batch from the heads of their free lists (capacity already checked).
+  void write_batch(const Batch& batch, int64_t num_slots, int64_t need_pages, OutBuffer& out);
   // SWA pages mapped from the pages of `indices` (free_swa), claimed; full pages noted.
   void claim_swa_of_pages(PageClaim& claim, Span indices, std::vector<int64_t>& full_pages) const;
   // SWA pages of num_reps page representatives (free_swa_segment: indices[::page_size]),

@@ -68,13 +68,20 @@ IntArg lengths_arg(const char* name, const py::handle& device_obj, const char* c
   return cpu;
 }
 
+// Index tensors handed to the caller. CPU tensors skip the dispatcher: this runs on
+// every scheduler step.
+at::Tensor empty_indices(int64_t n, const c10::Device& device) {
+  if (device.is_cpu()) return at::detail::empty_cpu({n}, at::kLong);
+  return at::empty({n}, at::TensorOptions().dtype(at::kLong).device(device));
+}
+
 struct TensorOut : swa::OutBuffer {
-  explicit TensorOut(const c10::Device& device) : options(at::TensorOptions().dtype(at::kLong).device(device)) {}
+  explicit TensorOut(const c10::Device& d) : device(d) {}
   int64_t* get(int64_t n) override {
-    tensor = at::empty({n}, options);
+    tensor = empty_indices(n, device);
     return tensor.data_ptr<int64_t>();
   }
-  at::TensorOptions options;
+  c10::Device device;
   at::Tensor tensor;
 };
 
@@ -101,14 +108,12 @@ struct PoolHandle {
 };
 
 struct HybridHandle {
-  HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev,
-               at::Tensor map)
-      : device(dev), mapping(std::move(map)), busy(std::make_shared<std::atomic<bool>>(false)),
-        debug(debug_checks_enabled()) {
+  HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev)
+      : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
     if (size_swa < page_size) swa::fail("size_swa", "must hold at least one page of ", page_size, " tokens, got ", size_swa);
-    const int64_t len = swa::HybridAllocator::mapping_size(size, page_size);
-    if (mapping.scalar_type() != at::kLong || !mapping.is_contiguous() || mapping.numel() != len || mapping.device() != device)
-      throw py::type_error("mapping: expected a contiguous int64 tensor of " + std::to_string(len) + " entries on " + device.str());
+    if (size < page_size) swa::fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
+    // One tensor for the allocator's life: serving engines register it with their KV cache.
+    mapping = at::zeros({swa::HybridAllocator::mapping_size(size, page_size)}, at::TensorOptions().dtype(at::kLong).device(device));
     core = std::make_unique<swa::HybridAllocator>(size, size_swa, page_size, need_sort, mapping.data_ptr<int64_t>());
   }
   void after_change() const {
@@ -236,12 +241,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }, py::arg("state"));
 
   py::class_<HybridHandle>(m, "HybridAllocator")
-      .def(py::init([](int64_t size, int64_t size_swa, int64_t page_size, const py::object& device, bool need_sort,
-                       const at::Tensor& mapping) {
-             return std::make_unique<HybridHandle>(size, size_swa, page_size, need_sort, device_arg(device), mapping);
+      .def(py::init([](int64_t size, int64_t size_swa, int64_t page_size, const py::object& device, bool need_sort) {
+             return std::make_unique<HybridHandle>(size, size_swa, page_size, need_sort, device_arg(device));
            }),
-           py::arg("size"), py::arg("size_swa"), py::arg("page_size"), py::arg("device"), py::arg("need_sort"),
-           py::arg("mapping"))
+           py::arg("size"), py::arg("size_swa"), py::arg("page_size"), py::arg("device"), py::arg("need_sort"))
       .def_property_readonly("page_size", [](const HybridHandle& h) { return h.core->page_size(); })
       .def_property_readonly("size", [](const HybridHandle& h) { return std::min(h.core->full().size(), h.core->swa().size()); })
       .def_property_readonly("size_full", [](const HybridHandle& h) { return h.core->full().size(); })
@@ -301,7 +304,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
       .def("translate_loc_from_full_to_swa", [](const HybridHandle& h, const py::object& kv_indices) {
              const IntArg idx = int_arg("kv_indices", kv_indices, h.device);
-             at::Tensor out = at::empty({idx.tensor.numel()}, at::TensorOptions().dtype(at::kLong).device(h.device));
+             at::Tensor out = empty_indices(idx.tensor.numel(), h.device);
              h.core->translate(idx.span(), out.data_ptr<int64_t>());
              return out;
            }, py::arg("kv_indices"))
@@ -351,7 +354,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const c10::Device cpu(c10::kCPU);
              const IntArg row_ids = int_arg("rows", rows, cpu), pre = int_arg("pre_lens", pre_lens, cpu);
              const IntArg evicted = int_arg("evicted_seqlens", evicted_seqlens, cpu);
-             at::Tensor out = at::empty({row_ids.tensor.numel()}, at::TensorOptions().dtype(at::kLong));
+             at::Tensor out = empty_indices(row_ids.tensor.numel(), cpu);
              int64_t* out_ptr = out.data_ptr<int64_t>();
              if (req_to_token.scalar_type() == at::kInt)
                evict_rows<int32_t>(*h.core, req_to_token, row_ids, pre, evicted, window, interval, prefix_sharing, out_ptr);
