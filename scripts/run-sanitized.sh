@@ -29,4 +29,7 @@ UBSAN_LIB="$(gcc -print-file-name=libubsan.so)"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export LD_PRELOAD="$ASAN_LIB:$UBSAN_LIB"
-"$PY" -m pytest tests -q -p no:cacheprovider "$@"
+export SWA_EXT_SOAK_RSS_BOUND_MIB=320  # ASan's quarantine holds up to 256 MiB of freed memory
+# --capture=sys: a sanitizer report is written to file descriptor 2 just before the
+# process aborts, so pytest must not be holding that descriptor.
+"$PY" -m pytest -q -p no:cacheprovider --capture=sys "$@"

@@ -59,8 +59,8 @@ IntArg lengths_arg(const char* name, const py::handle& device_obj, const char* c
   IntArg cpu = int_arg(cpu_name, cpu_obj, c10::Device(c10::kCPU));
   if (device.is_cpu() && !device_obj.is(cpu_obj)) {
     IntArg dev = int_arg(name, device_obj, device);
-    if (dev.tensor.numel() != cpu.tensor.numel() ||
-        std::memcmp(dev.span().data, cpu.span().data, sizeof(int64_t) * dev.tensor.numel()) != 0)
+    const int64_t n = cpu.tensor.numel();
+    if (dev.tensor.numel() != n || (n > 0 && std::memcmp(dev.span().data, cpu.span().data, sizeof(int64_t) * n) != 0))
       throw py::value_error(std::string(name) + ": does not match " + cpu_name);
   } else if (!device.is_cpu()) {
     throw py::type_error("this build of swa_ext runs allocators on the CPU only");
