@@ -153,17 +153,9 @@ void HybridAllocator::claim_swa_of_pages(PageClaim& claim, Span indices, std::ve
   }
 }
 
-void HybridAllocator::clear_mapping_of_pages(const std::vector<int64_t>& full_pages) {
-  for (int64_t page : full_pages) std::fill(mapping_ + page * page_size_, mapping_ + (page + 1) * page_size_, 0);
-}
-
-void HybridAllocator::free_swa(Span indices) {
-  if (!swa_frees_by_index()) return free_swa_segment(indices, 0);
-  PageClaim swa_claim(*swa_, true);
-  std::vector<int64_t> full_pages;
-  claim_swa_of_pages(swa_claim, indices, full_pages);
-  clear_mapping_of_pages(full_pages);
-  swa_->finish(swa_claim);
+void HybridAllocator::claim_swa_of_free(PageClaim& claim, Span indices, std::vector<int64_t>& full_pages) const {
+  if (page_size_ > 1) return claim_swa_of_pages(claim, indices, full_pages);
+  claim_swa_of_segment(claim, indices, 0, full_pages);  // page size 1: one slot is one page
 }
 
 void HybridAllocator::claim_swa_of_segment(PageClaim& claim, Span indices, int64_t start_pos,
@@ -173,34 +165,41 @@ void HybridAllocator::claim_swa_of_segment(PageClaim& claim, Span indices, int64
   claim_swa_of_reps(claim, "indices", full_->geometry().pages_for(indices.size), rep_at, full_pages);
 }
 
+void HybridAllocator::clear_mapping_of_pages(const std::vector<int64_t>& full_pages) {
+  for (int64_t page : full_pages) std::fill(mapping_ + page * page_size_, mapping_ + (page + 1) * page_size_, 0);
+}
+
+void HybridAllocator::finish_swa_free(PageClaim& claim, const std::vector<int64_t>& full_pages) {
+  clear_mapping_of_pages(full_pages);
+  swa_->finish(claim);
+}
+
+void HybridAllocator::free_swa(Span indices) {
+  PageClaim swa_claim(*swa_, true);
+  std::vector<int64_t> full_pages;
+  claim_swa_of_free(swa_claim, indices, full_pages);
+  finish_swa_free(swa_claim, full_pages);
+}
+
 void HybridAllocator::free_swa_segment(Span indices, int64_t start_pos) {
   PageClaim swa_claim(*swa_, false);
   std::vector<int64_t> full_pages;
   claim_swa_of_segment(swa_claim, indices, start_pos, full_pages);
-  clear_mapping_of_pages(full_pages);
-  swa_->finish(swa_claim);
+  finish_swa_free(swa_claim, full_pages);
 }
 
 void HybridAllocator::free_full(Span indices) { full_->free(indices); }
 
 void HybridAllocator::free_full_segment(Span indices, int64_t start_pos) { full_->free_segment(indices, start_pos); }
 
+// free and free_segment claim both halves before either is changed.
 void HybridAllocator::free(Span indices) {
-  // Both halves are claimed before either is changed.
   PageClaim full_claim(*full_, true);
   full_->claim_indices(full_claim, "indices", indices);
+  PageClaim swa_claim(*swa_, true);
   std::vector<int64_t> full_pages;
-  if (swa_frees_by_index()) {
-    PageClaim swa_claim(*swa_, true);
-    claim_swa_of_pages(swa_claim, indices, full_pages);
-    clear_mapping_of_pages(full_pages);
-    swa_->finish(swa_claim);
-  } else {
-    PageClaim swa_claim(*swa_, false);
-    claim_swa_of_segment(swa_claim, indices, 0, full_pages);
-    clear_mapping_of_pages(full_pages);
-    swa_->finish(swa_claim);
-  }
+  claim_swa_of_free(swa_claim, indices, full_pages);
+  finish_swa_free(swa_claim, full_pages);
   full_->finish(full_claim);
 }
 
@@ -210,8 +209,7 @@ void HybridAllocator::free_segment(Span indices, int64_t start_pos) {
   PageClaim swa_claim(*swa_, false);
   std::vector<int64_t> full_pages;
   claim_swa_of_segment(swa_claim, indices, start_pos, full_pages);
-  clear_mapping_of_pages(full_pages);
-  swa_->finish(swa_claim);
+  finish_swa_free(swa_claim, full_pages);
   full_->finish(full_claim);
 }
 

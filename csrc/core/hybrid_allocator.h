@@ -90,8 +90,10 @@ class HybridAllocator {
                          std::vector<int64_t>& full_pages) const;
   void claim_swa_of_segment(PageClaim& claim, Span indices, int64_t start_pos, std::vector<int64_t>& full_pages) const;
   void clear_mapping_of_pages(const std::vector<int64_t>& full_pages);
-  // A page-mode free of SWA slots by value, the way free_swa hands them to the pool.
-  bool swa_frees_by_index() const { return page_size_ > 1; }
+  // The SWA side of free() / free_swa().
+  void claim_swa_of_free(PageClaim& claim, Span indices, std::vector<int64_t>& full_pages) const;
+  // Clears the mapping of the noted full pages and hands the claimed SWA pages back.
+  void finish_swa_free(PageClaim& claim, const std::vector<int64_t>& full_pages);
 
   int64_t page_size_;
   std::shared_ptr<PagePool> full_, swa_;
@@ -128,8 +130,7 @@ void HybridAllocator::evict_out_of_window(const Slot* req_to_token, int64_t num_
     request_end[j] = static_cast<int64_t>(claim.pages().size());
   }
   if (swa_->in_free_group()) {  // the group queues the pages in call order
-    swa_->finish(claim);
-    clear_mapping_of_pages(full_pages);
+    finish_swa_free(claim, full_pages);
     return;
   }
   claim.commit();
