@@ -24,7 +24,7 @@ import torch
 
 from . import _C
 
-__all__ = ["ReqToTokenPool", "evict_out_of_window", "pre_alloc", "release", "swa_tail_len"]
+__all__ = ["ReqToTokenPool", "evict_out_of_window", "evicted_after_step", "pre_alloc", "release", "swa_tail_len"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -56,6 +56,23 @@ def swa_tail_len(seq_len: int, window: int, page_size: int, radix_cache: bool = 
     if page_size < 1:
         raise ValueError(f"page_size: must be >= 1, got {page_size}")
     return _C.swa_tail_len(_int(seq_len, "seq_len"), _window(window), page_size, bool(radix_cache))
+
+
+def evicted_after_step(evicted: int, pre_len: int, window: int, page_size: int, interval: int = 1,
+                       prefix_sharing: bool = False) -> int:
+    """The window rule for one request: its new evicted length at committed length ``pre_len``.
+
+    Equal to ``evicted`` when nothing is due; otherwise page-aligned and larger, and
+    ``row[evicted:new]`` is what ``evict_out_of_window`` frees for it.
+    """
+    page_size = _int(page_size, "page_size")
+    if page_size < 1:
+        raise ValueError(f"page_size: must be >= 1, got {page_size}")
+    interval = _int(interval, "interval")
+    if interval < 1:
+        raise ValueError(f"interval: must be >= 1, got {interval}")
+    return _C.evicted_after_step(_int(evicted, "evicted"), _int(pre_len, "pre_len"), _window(window), page_size,
+                                 interval, bool(prefix_sharing))
 
 
 class ReqToTokenPool:

@@ -58,6 +58,18 @@ def test_swa_tail_len_matches_the_rule(page_size):
     assert checked > 50
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16, 64])
+def test_evicted_after_step_matches_the_rule(page_size):
+    for window in (1, 3, page_size, 40, 128):
+        for evicted in range(0, 3 * page_size + 1, page_size):
+            for pre_len in range(0, evicted + window + 3 * page_size + 2):
+                for interval in (1, 2, page_size + 1):
+                    for sharing in (False, True):
+                        got = decode.evicted_after_step(evicted, pre_len, window, page_size, interval, sharing)
+                        want = reference.evict_step(evicted, pre_len, window, page_size, interval, sharing)
+                        assert got == want, (evicted, pre_len, window, page_size, interval, sharing)
+
+
 def test_swa_tail_len_rejects_bad_arguments():
     with pytest.raises(ValueError, match="page_size"):
         decode.swa_tail_len(10, 4, 0)

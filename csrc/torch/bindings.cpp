@@ -151,9 +151,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("page_size"), py::arg("interval") = 1, py::arg("prefix_sharing") = false);
   // The cheapest native call over an allocation's arguments: the floor benchmarks compare with.
   m.def("bench_floor", [](const py::args& args) { return args[args.size() - 1]; });
-  m.def("new_page_count", [](int64_t prefix_len, int64_t seq_len, int64_t page_size) {
-          return swa::new_page_count(prefix_len, seq_len, page_size);
-        }, py::arg("prefix_len"), py::arg("seq_len"), py::arg("page_size"));
 
   py::class_<swa::HybridAllocator::State>(m, "AllocatorState")
       .def("__eq__", [](const swa::HybridAllocator::State& a, const swa::HybridAllocator::State& b) { return a == b; });
