@@ -38,9 +38,6 @@ SWA_HD int64_t floor_to_page(int64_t n, int64_t page_size) { return PageGeometry
 SWA_HD int64_t new_page_count(int64_t prefix_len, int64_t seq_len, const PageGeometry& page) {
   return page.pages_for(seq_len) - page.pages_for(prefix_len);
 }
-SWA_HD int64_t new_page_count(int64_t prefix_len, int64_t seq_len, int64_t page_size) {
-  return new_page_count(prefix_len, seq_len, PageGeometry(page_size));
-}
 
 // Slot of the t-th new token of one request growing from prefix_len to seq_len.
 // The tokens first continue the partial page that ends at last_loc, then fill the
@@ -55,11 +52,6 @@ SWA_HD int64_t extend_slot(int64_t t, int64_t prefix_len, int64_t seq_len, int64
   if (t < in_partial_page) return last_loc + 1 + t;
   const int64_t u = t - in_partial_page;
   return page_at(page.page(u)) * page.size + page.offset(u);
-}
-template <class PageAt>
-SWA_HD int64_t extend_slot(int64_t t, int64_t prefix_len, int64_t seq_len, int64_t last_loc,
-                           int64_t page_size, const PageAt& page_at) {
-  return extend_slot(t, prefix_len, seq_len, last_loc, PageGeometry(page_size), page_at);
 }
 
 // Decode side of disaggregation: how many of the last tokens of a seq_len-token

@@ -6,13 +6,29 @@
 
 using namespace swa;
 
+TEST(Rules, PageGeometryMatchesDivision) {
+  // Shifts for powers of two, division otherwise: both must agree with plain arithmetic.
+  for (int64_t size = 1; size <= 130; ++size) {
+    const PageGeometry page(size);
+    EXPECT_EQ(page.shift >= 0, (size & (size - 1)) == 0) << size;
+    for (int64_t n = 0; n < 4 * size + 3; ++n) {
+      ASSERT_EQ(page.page(n), n / size) << size << " " << n;
+      ASSERT_EQ(page.offset(n), n % size) << size << " " << n;
+      ASSERT_EQ(page.pages_for(n), cdiv(n, size)) << size << " " << n;
+      ASSERT_EQ(page.floor(n), n / size * size) << size << " " << n;
+    }
+  }
+}
+
 TEST(Rules, NewPageCount) {
-  EXPECT_EQ(new_page_count(0, 0, 16), 0);
-  EXPECT_EQ(new_page_count(0, 1, 16), 1);
-  EXPECT_EQ(new_page_count(5, 16, 16), 0);  // stays in the partial page
-  EXPECT_EQ(new_page_count(16, 17, 16), 1);
-  EXPECT_EQ(new_page_count(3, 40, 16), 2);
-  EXPECT_EQ(new_page_count(7, 9, 1), 2);
+  const PageGeometry p16(16), p1(1), p3(3);
+  EXPECT_EQ(new_page_count(0, 0, p16), 0);
+  EXPECT_EQ(new_page_count(0, 1, p16), 1);
+  EXPECT_EQ(new_page_count(5, 16, p16), 0);  // stays in the partial page
+  EXPECT_EQ(new_page_count(16, 17, p16), 1);
+  EXPECT_EQ(new_page_count(3, 40, p16), 2);
+  EXPECT_EQ(new_page_count(7, 9, p1), 2);
+  EXPECT_EQ(new_page_count(2, 7, p3), 2);  // a page size that is not a power of two
 }
 
 TEST(Rules, ExtendSlotThreeParts) {
@@ -21,7 +37,7 @@ TEST(Rules, ExtendSlotThreeParts) {
   const std::vector<int64_t> pages = {9, 4};
   const auto page_at = [&](int64_t k) { return pages[k]; };
   std::vector<int64_t> slots;
-  for (int64_t t = 0; t < 35; ++t) slots.push_back(extend_slot(t, 5, 40, 36, 16, page_at));
+  for (int64_t t = 0; t < 35; ++t) slots.push_back(extend_slot(t, 5, 40, 36, PageGeometry(16), page_at));
   EXPECT_EQ(slots[0], 37);
   EXPECT_EQ(slots[10], 47);
   EXPECT_EQ(slots[11], 9 * 16);
@@ -32,9 +48,9 @@ TEST(Rules, ExtendSlotThreeParts) {
 
 TEST(Rules, DecodeIsAnExtendByOne) {
   const auto page_at = [](int64_t) { return int64_t{7}; };
-  EXPECT_EQ(extend_slot(0, 16, 17, 31, 16, page_at), 7 * 16);  // crosses into a new page
-  EXPECT_EQ(extend_slot(0, 17, 18, 112, 16, page_at), 113);    // continues its page
-  EXPECT_EQ(extend_slot(0, 3, 4, 99, 1, page_at), 7);          // token pool: always fresh
+  EXPECT_EQ(extend_slot(0, 16, 17, 31, PageGeometry(16), page_at), 7 * 16);  // crosses into a new page
+  EXPECT_EQ(extend_slot(0, 17, 18, 112, PageGeometry(16), page_at), 113);    // continues its page
+  EXPECT_EQ(extend_slot(0, 3, 4, 99, PageGeometry(1), page_at), 7);          // token pool: always fresh
 }
 
 TEST(Rules, SwaTailLen) {
