@@ -1,26 +1,56 @@
 """Builds swa_ext and its native core.
 
-The extension is CPU-only unless torch is a CUDA build and a CUDA toolkit is found
-(or USE_CUDA=1 forces it; USE_CUDA=0 forbids it), in which case the CUDA kernels in
-csrc/cuda are compiled in as well.
+The extension holds the CUDA kernels (csrc/cuda) when torch is a CUDA build and a CUDA
+toolkit is found, or when USE_CUDA=1 forces it; USE_CUDA=0 builds for the CPU only.
+TORCH_CUDA_ARCH_LIST defaults to "9.0" (Hopper).
 """
 import glob
 import os
 
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+# torch finds the toolkit when its module is imported; prefer the real one over an
+# nvcc wrapper on PATH.
+if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+
+def want_cuda():
+    flag = os.environ.get("USE_CUDA", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def cuda_header_dirs():
+    """Headers of the nvidia wheels (cuBLAS, cuSPARSE...) that torch's CUDA headers include."""
+    dirs = []
+    for module_dir in {os.path.dirname(os.path.dirname(torch.__file__))}:
+        dirs += sorted(glob.glob(os.path.join(module_dir, "nvidia", "*", "include")))
+    return [d for d in dirs if os.path.isdir(d)]
 
 
 def native_extension():
     sources = sorted(glob.glob(os.path.join("csrc", "core", "*.cpp"))) + [os.path.join("csrc", "torch", "bindings.cpp")]
-    cxx_flags = ["-O3", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    cxx_flags = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     link_flags = []
     if os.environ.get("SWA_EXT_SANITIZE") == "1":  # for the sanitizer job of .ci/run
         cxx_flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"]
         link_flags += ["-fsanitize=address,undefined"]
-    return CppExtension("swa_ext._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
+    if not want_cuda():
+        return CppExtension("swa_ext._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    sources += [os.path.join("csrc", "torch", "cuda_executor.cpp"), os.path.join("csrc", "cuda", "kernels.cu")]
+    return CUDAExtension(
+        "swa_ext._C",
+        sources,
+        include_dirs=cuda_header_dirs(),
+        define_macros=[("SWA_EXT_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-DSWA_EXT_WITH_CUDA=1"]},
+        extra_link_args=link_flags,
+    )
 
 
 setup(

@@ -5,6 +5,8 @@ from . import _C
 from .allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 
 ConcurrentUseError = _C.ConcurrentUseError
+# A device allocator's check that failed on the GPU, found after its call returned.
+DeferredError = _C.DeferredError
 
 
 def built_with_cuda() -> bool:
@@ -14,6 +16,7 @@ def built_with_cuda() -> bool:
 
 __all__ = [
     "ConcurrentUseError",
+    "DeferredError",
     "PagedTokenToKVPoolAllocator",
     "SWATokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",

@@ -15,8 +15,8 @@ from . import _C
 class PagedTokenToKVPoolAllocator(_C.PagePool):
     """One paged KV pool (page size > 1): SGLang's ``PagedTokenToKVPoolAllocator``."""
 
-    def __init__(self, size, page_size, dtype, device, kvcache=None, need_sort=False):
-        super().__init__(size, page_size, torch.device(device), need_sort)
+    def __init__(self, size, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
+        super().__init__(size, page_size, torch.device(device), need_sort, kernels)
         self.dtype = dtype
         self._kvcache = kvcache
 
@@ -36,8 +36,8 @@ class PagedTokenToKVPoolAllocator(_C.PagePool):
 class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """The token pool (page size 1): SGLang's ``TokenToKVPoolAllocator``."""
 
-    def __init__(self, size, dtype, device, kvcache=None, need_sort=False):
-        super().__init__(size, 1, dtype, device, kvcache, need_sort)
+    def __init__(self, size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
+        super().__init__(size, 1, dtype, device, kvcache, need_sort, kernels)
 
 
 def _pool_class(page_size):
@@ -49,10 +49,14 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
 
     Drop-in for SGLang's ``SWATokenToKVPoolAllocator``; page size 1 also supports
     ``alloc_extend``, ``alloc_decode`` and ``alloc_extend_swa_tail`` (SPEC.md section 4).
+
+    With ``device="cuda"`` the free lists, the mapping and every returned tensor live on
+    the GPU (README: "CUDA"). ``kernels="emulated"`` with ``device="cpu"`` runs the GPU
+    algorithm's kernels element by element on the CPU, for testing it without a GPU.
     """
 
-    def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False):
-        super().__init__(size, size_swa, page_size, torch.device(device), need_sort)
+    def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
+        super().__init__(size, size_swa, page_size, torch.device(device), need_sort, kernels)
         self.dtype = dtype
         self._kvcache = kvcache
         pool_class = _pool_class(page_size)

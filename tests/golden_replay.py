@@ -48,13 +48,15 @@ def _clip(x, n: int = 12) -> str:
     return repr(x)
 
 
-def replay(records, make_allocator, to_arg=_identity, to_list=_identity, name: str = "trace") -> int:
+def replay(records, make_allocator, to_arg=_identity, to_list=_identity, name: str = "trace",
+           to_host_arg=None) -> int:
     """Run every record of a trace in order and check it; returns the number of records.
 
     make_allocator(init_record) builds the allocator (the record has size,
     size_swa, page_size, need_sort); to_arg(list_of_ints) converts an input
     list to the allocator's argument type; to_list(result) converts a returned
-    index sequence to a list of ints (None is passed through untouched).
+    index sequence to a list of ints (None is passed through untouched);
+    to_host_arg (default to_arg) converts the lengths given as the *_cpu arguments.
     Raises AssertionError naming the trace, record number and op on the first
     mismatch.
     """
@@ -74,7 +76,7 @@ def replay(records, make_allocator, to_arg=_identity, to_list=_identity, name: s
     for no, rec in enumerate(records[1:], start=1):
         op = rec["op"]
         try:
-            got = _run_op(alloc, rec, to_arg, as_list)
+            got = _run_op(alloc, rec, to_arg, to_host_arg or to_arg, as_list)
         except AssertionError:
             raise
         except Exception as e:
@@ -100,25 +102,27 @@ def replay(records, make_allocator, to_arg=_identity, to_list=_identity, name: s
     return len(records)
 
 
-def _run_op(alloc, rec, to_arg, as_list):
+def _run_op(alloc, rec, to_arg, to_host_arg, as_list):
     """Perform one record's call with SGLang's method and keyword names; return its result."""
     op = rec["op"]
     if op == "alloc":
         return as_list(alloc.alloc(rec["need_size"]))
     if op == "alloc_extend":
         pre, seq = to_arg(rec["prefix_lens"]), to_arg(rec["seq_lens"])
+        pre_cpu, seq_cpu = to_host_arg(rec["prefix_lens"]), to_host_arg(rec["seq_lens"])
         return as_list(alloc.alloc_extend(
-            prefix_lens=pre, prefix_lens_cpu=pre, seq_lens=seq, seq_lens_cpu=seq,
+            prefix_lens=pre, prefix_lens_cpu=pre_cpu, seq_lens=seq, seq_lens_cpu=seq_cpu,
             last_loc=to_arg(rec["last_loc"]), extend_num_tokens=rec["extend_num_tokens"]))
     if op == "alloc_extend_swa_tail":
         pre, seq = to_arg(rec["prefix_lens"]), to_arg(rec["seq_lens"])
+        pre_cpu, seq_cpu = to_host_arg(rec["prefix_lens"]), to_host_arg(rec["seq_lens"])
         return as_list(alloc.alloc_extend_swa_tail(
-            prefix_lens=pre, prefix_lens_cpu=pre, seq_lens=seq, seq_lens_cpu=seq,
+            prefix_lens=pre, prefix_lens_cpu=pre_cpu, seq_lens=seq, seq_lens_cpu=seq_cpu,
             last_loc=to_arg(rec["last_loc"]), extend_num_tokens=rec["extend_num_tokens"],
             swa_tail_len=rec["swa_tail_len"]))
     if op == "alloc_decode":
-        seq = to_arg(rec["seq_lens"])
-        return as_list(alloc.alloc_decode(seq_lens=seq, seq_lens_cpu=seq, last_loc=to_arg(rec["last_loc"])))
+        seq, seq_cpu = to_arg(rec["seq_lens"]), to_host_arg(rec["seq_lens"])
+        return as_list(alloc.alloc_decode(seq_lens=seq, seq_lens_cpu=seq_cpu, last_loc=to_arg(rec["last_loc"])))
     if op in ("free", "free_swa", "free_full"):
         return getattr(alloc, op)(to_arg(rec["indices"]))
     if op in ("free_segment", "free_swa_segment", "free_full_segment"):

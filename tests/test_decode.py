@@ -164,7 +164,7 @@ def test_golden_traces_with_pre_alloc_and_batched_eviction(path):
             assert got.tolist() == [new], where
             evictions += 1
         else:
-            got = golden_replay._run_op(alloc, rec, _to_tensor, _as_list)
+            got = golden_replay._run_op(alloc, rec, _to_tensor, _to_tensor, _as_list)
             if op in ("alloc", "alloc_extend", "alloc_extend_swa_tail", "alloc_decode", "translate",
                       "new_pages_available"):
                 assert got == rec["out"], where

@@ -46,6 +46,7 @@ from swa_ext.reference import SWAAllocatorRef, cdiv, evict_step
 
 PAGE_SIZES = [1, 2, 3, 4, 6, 16, 64]  # 3 and 6: the division path of PageGeometry
 CI_EXAMPLES = 20  # x 14 machines = 280 examples
+CI_EXAMPLES_EMULATED = 10  # x 14 machines: the device algorithm with its kernels emulated
 SLOW_EXAMPLES = 400  # x 14 machines = 5600 examples
 STEPS = 80
 
@@ -72,6 +73,7 @@ class Req:
 class AllocatorMachine(RuleBasedStateMachine):
     page_size = 1
     need_sort = False
+    kernels = "auto"  # "emulated": the device algorithm, its kernels run on the CPU
 
     def __init__(self):
         super().__init__()
@@ -145,11 +147,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         size = full_pages * ps + (extra_tokens % ps)  # sizes need not be page multiples
         size_swa = swa_pages * ps
         # SWA_EXT_DEBUG=1 at construction: every mutating call runs check_invariants().
+        # The device algorithm checks index values on the device; only in debug mode does a
+        # bad call raise before it changes anything, which bad_call expects.
+        debug = debug or self.kernels == "emulated"
         saved = os.environ.get("SWA_EXT_DEBUG")
         os.environ["SWA_EXT_DEBUG"] = "1" if debug else "0"
         try:
             self.native = swa_ext.SWATokenToKVPoolAllocator(
-                size, size_swa, ps, torch.bfloat16, "cpu", need_sort=self.need_sort
+                size, size_swa, ps, torch.bfloat16, "cpu", need_sort=self.need_sort, kernels=self.kernels
             )
         finally:
             if saved is None:
@@ -522,22 +527,19 @@ class AllocatorMachine(RuleBasedStateMachine):
             raise AssertionError(kind)
 
 
-def _machine(page_size, need_sort):
+def _machine(page_size, need_sort, kernels="auto"):
     return type(
-        f"AllocatorMachine_ps{page_size}_{'sorted' if need_sort else 'unsorted'}",
+        f"AllocatorMachine_ps{page_size}_{'sorted' if need_sort else 'unsorted'}_{kernels}",
         (AllocatorMachine,),
-        {"page_size": page_size, "need_sort": need_sort},
+        {"page_size": page_size, "need_sort": need_sort, "kernels": kernels},
     )
 
 
-@pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_native_matches_reference(page_size, need_sort, request):
-    slow = request.config.getoption("--slow")
+def _run(machine, slow, examples):
     run_state_machine_as_test(
-        _machine(page_size, need_sort),
+        machine,
         settings=settings(
-            max_examples=SLOW_EXAMPLES if slow else CI_EXAMPLES,
+            max_examples=SLOW_EXAMPLES if slow else examples,
             stateful_step_count=STEPS,
             derandomize=not slow,
             database=None,
@@ -546,3 +548,16 @@ def test_native_matches_reference(page_size, need_sort, request):
             print_blob=True,
         ),
     )
+
+
+@pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_native_matches_reference(page_size, need_sort, request):
+    _run(_machine(page_size, need_sort), request.config.getoption("--slow"), CI_EXAMPLES)
+
+
+@pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_device_algorithm_matches_reference(page_size, need_sort, request):
+    """The CUDA path's ops, run element by element on the CPU, against the reference."""
+    _run(_machine(page_size, need_sort, "emulated"), request.config.getoption("--slow"), CI_EXAMPLES_EMULATED)

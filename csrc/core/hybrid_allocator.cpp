@@ -34,16 +34,20 @@ void HybridAllocator::write_mapping(const int64_t* full_slots, const int64_t* sw
 
 void HybridAllocator::check_swa_continuation(const Batch& batch) const {
   const PageGeometry& page = full_->geometry();
+  const auto swa_state = [this](int64_t p) { return swa_->state(p); };
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j);
-    if (page.offset(prefix) == 0 || batch.seq_lens[j] == prefix) continue;  // no partial page continued
+    if (!continues_partial_page(prefix, batch.seq_lens[j], page)) continue;
     const int64_t last = batch.last_loc[j], swa_last = mapping_[last];
-    if (swa_last <= 0)
-      fail("last_loc", "entry ", j, " (", last, ") has no SWA slot to continue its partial page (evicted?)");
-    const int64_t swa_page = swa_->page_of("last_loc", swa_last);
-    if (page.offset(swa_last) != page.offset(last) || swa_->state(swa_page) != PageState::kHeld)
-      fail("last_loc", "entry ", j, " (", last, ") maps to SWA slot ", swa_last, ", which is not a live slot at the same page offset");
+    if (!swa_continuation_ok(last, swa_last, page, swa_->num_pages(), swa_state)) fail_swa_continuation(j, last, swa_last);
   }
+}
+
+void fail_swa_continuation(int64_t entry, int64_t last_loc, int64_t swa_last) {
+  if (swa_last <= 0)
+    fail("last_loc", "entry ", entry, " (", last_loc, ") has no SWA slot to continue its partial page (evicted?)");
+  fail("last_loc", "entry ", entry, " (", last_loc, ") maps to SWA slot ", swa_last,
+       ", which is not a live slot at the same page offset");
 }
 
 void HybridAllocator::write_batch(const Batch& batch, int64_t num_slots, int64_t need_pages, OutBuffer& out) {
@@ -239,17 +243,38 @@ std::string HybridAllocator::debug_string() const {
   return s.str();
 }
 
-void HybridAllocator::check_invariants() const {
-  full_->check_invariants();
-  swa_->check_invariants();
-  if (mapping_[mapping_len_ - 1] != -1) throw std::logic_error("mapping invariant broken: the -1 sentinel changed");
-  for (int64_t slot = 0; slot < mapping_len_ - 1; ++slot) {
-    const int64_t swa_slot = mapping_[slot];
+void HybridAllocator::check_invariants() const { check_invariants(*full_, *swa_, mapping_, mapping_len_); }
+
+void HybridAllocator::check_invariants(const PagePool& full, const PagePool& swa, const int64_t* mapping,
+                                       int64_t mapping_len) {
+  full.check_invariants();
+  swa.check_invariants();
+  if (mapping[mapping_len - 1] != -1) throw std::logic_error("mapping invariant broken: the -1 sentinel changed");
+  for (int64_t slot = 0; slot < mapping_len - 1; ++slot) {
+    const int64_t swa_slot = mapping[slot];
     if (swa_slot == 0) continue;
-    const int64_t swa_page = swa_slot / page_size_;
-    if (swa_slot < page_size_ || swa_slot >= swa_->index_end() || swa_->state(swa_page) != PageState::kHeld)
+    if (!slot_in_pool(swa_slot, swa.geometry(), swa.num_pages()) ||
+        swa.state(swa.geometry().page(swa_slot)) != PageState::kHeld)
       throw std::logic_error("mapping invariant broken: full slot " + std::to_string(slot) + " maps to SWA slot " +
                              std::to_string(swa_slot) + ", which is not held");
+  }
+}
+
+void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
+                          int64_t window, int64_t interval, bool prefix_sharing, int64_t page_size,
+                          int64_t* new_evicted) {
+  const int64_t bs = rows.size;
+  if (pre_lens.size != bs) fail("pre_lens", "has ", pre_lens.size, " entries for ", bs, " rows");
+  if (evicted_seqlens.size != bs) fail("evicted_seqlens", "has ", evicted_seqlens.size, " entries for ", bs, " rows");
+  if (window < 1) fail("window", "must be >= 1, got ", window);
+  if (interval < 1) fail("interval", "must be >= 1, got ", interval);
+  for (int64_t j = 0; j < bs; ++j) {
+    const int64_t row = rows[j], pre_len = pre_lens[j], evicted = evicted_seqlens[j];
+    if (row < 0 || row >= num_rows) fail("rows", "entry ", j, " (", row, ") is outside [0, ", num_rows, ")");
+    if (pre_len < 0 || pre_len > row_len) fail("pre_lens", "entry ", j, " (", pre_len, ") is outside [0, ", row_len, "]");
+    if (evicted < 0 || evicted > pre_len || evicted % page_size != 0)
+      fail("evicted_seqlens", "entry ", j, " (", evicted, ") must be page-aligned and within [0, pre_len]");
+    new_evicted[j] = evicted_after_step(evicted, pre_len, window, page_size, interval, prefix_sharing);
   }
 }
 

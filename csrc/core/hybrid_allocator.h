@@ -14,6 +14,15 @@
 
 namespace swa {
 
+// Throws the ArgumentError for a request whose partial page has no live SWA slot to continue.
+[[noreturn]] void fail_swa_continuation(int64_t entry, int64_t last_loc, int64_t swa_last);
+
+// Checks the host arguments of a batched window eviction and writes each request's new
+// evicted length (equal to the old one when nothing is due).
+void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
+                          int64_t window, int64_t interval, bool prefix_sharing, int64_t page_size,
+                          int64_t* new_evicted);
+
 class HybridAllocator {
  public:
   // mapping: caller-owned storage of mapping_size(size, page_size) int64 values; it is
@@ -64,6 +73,7 @@ class HybridAllocator {
   void clear();
   std::string debug_string() const;
   void check_invariants() const;
+  static void check_invariants(const PagePool& full, const PagePool& swa, const int64_t* mapping, int64_t mapping_len);
 
   struct State {
     PagePool full, swa;
@@ -107,21 +117,13 @@ void HybridAllocator::evict_out_of_window(const Slot* req_to_token, int64_t num_
                                           Span rows, Span pre_lens, Span evicted_seqlens, int64_t window,
                                           int64_t interval, bool prefix_sharing, int64_t* new_evicted) {
   const int64_t bs = rows.size;
-  if (pre_lens.size != bs) fail("pre_lens", "has ", pre_lens.size, " entries for ", bs, " rows");
-  if (evicted_seqlens.size != bs) fail("evicted_seqlens", "has ", evicted_seqlens.size, " entries for ", bs, " rows");
-  if (window < 1) fail("window", "must be >= 1, got ", window);
-  if (interval < 1) fail("interval", "must be >= 1, got ", interval);
-  // Validate and claim everything first; the frees happen only if all of it holds.
+  plan_window_eviction(num_rows, row_len, rows, pre_lens, evicted_seqlens, window, interval, prefix_sharing,
+                       page_size_, new_evicted);
+  // Claim everything first; the frees happen only if all of it holds.
   PageClaim claim(*swa_, false);
   std::vector<int64_t> full_pages, request_end(static_cast<size_t>(bs));
   for (int64_t j = 0; j < bs; ++j) {
-    const int64_t row = rows[j], pre_len = pre_lens[j], evicted = evicted_seqlens[j];
-    if (row < 0 || row >= num_rows) fail("rows", "entry ", j, " (", row, ") is outside [0, ", num_rows, ")");
-    if (pre_len < 0 || pre_len > row_len) fail("pre_lens", "entry ", j, " (", pre_len, ") is outside [0, ", row_len, "]");
-    if (evicted < 0 || evicted > pre_len || evicted % page_size_ != 0)
-      fail("evicted_seqlens", "entry ", j, " (", evicted, ") must be page-aligned and within [0, pre_len]");
-    const int64_t next = evicted_after_step(evicted, pre_len, window, page_size_, interval, prefix_sharing);
-    new_evicted[j] = next;
+    const int64_t row = rows[j], evicted = evicted_seqlens[j], next = new_evicted[j];
     if (next > evicted) {
       const Slot* segment = req_to_token + row * row_len + evicted;  // page-aligned: one rep per page
       const auto rep_at = [segment, this](int64_t i) { return static_cast<int64_t>(segment[i * page_size_]); };

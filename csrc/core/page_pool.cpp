@@ -46,6 +46,23 @@ PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort)
   reset_state();
 }
 
+PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
+                              std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
+                              std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids) {
+  PagePool pool(size, page_size, need_sort);
+  if (static_cast<int64_t>(free_list.size()) > pool.num_pages_ || static_cast<int64_t>(state.size()) != pool.num_pages_ + 1)
+    throw std::logic_error("pool snapshot of the wrong shape");
+  std::copy(free_list.begin(), free_list.end(), pool.ring_.begin());
+  pool.head_ = 0;
+  pool.free_count_ = static_cast<int64_t>(free_list.size());
+  pool.staged_ = std::move(staged);
+  pool.state_ = std::move(state);
+  pool.group_open_ = group_open;
+  pool.group_index_pages_ = std::move(group_index_pages);
+  pool.group_page_ids_ = std::move(group_page_ids);
+  return pool;
+}
+
 void PagePool::reset_state() {
   for (int64_t k = 0; k < num_pages_; ++k) ring_[k] = k + 1;
   head_ = 0;
@@ -140,33 +157,55 @@ void PagePool::check_page_id(const char* arg, int64_t page) const {
     fail(arg, "page id ", page, " is outside [1, ", num_pages_, "] (page 0 is the padding page)");
 }
 
-int64_t PagePool::check_batch(const Batch& batch, int64_t extend_num_tokens) const {
+int64_t check_batch_lengths(const Batch& batch, int64_t last_loc_size, int64_t extend_num_tokens,
+                            const PageGeometry& page) {
   const int64_t bs = batch.size();
-  if (batch.last_loc.size != bs)
-    fail("last_loc", "has ", batch.last_loc.size, " entries for a batch of ", bs, " (seq_lens)");
+  if (last_loc_size != bs) fail("last_loc", "has ", last_loc_size, " entries for a batch of ", bs, " (seq_lens)");
   if (!batch.decode && batch.prefix_lens.size != bs)
     fail("prefix_lens", "has ", batch.prefix_lens.size, " entries but seq_lens has ", bs);
   int64_t tokens = 0, pages = 0;
   for (int64_t j = 0; j < bs; ++j) {
-    const int64_t seq = batch.seq_lens[j], prefix = batch.prefix(j), last = batch.last_loc[j];
+    const int64_t seq = batch.seq_lens[j], prefix = batch.prefix(j);
     if (batch.decode && seq < 1) fail("seq_lens", "entry ", j, " is ", seq, "; a decode step needs >= 1");
     if (prefix < 0) fail("prefix_lens", "entry ", j, " is negative (", prefix, ")");
     if (seq < prefix) fail("seq_lens", "entry ", j, " (", seq, ") is below its prefix length ", prefix);
-    if (prefix == 0) {
-      if (last != -1) fail("last_loc", "entry ", j, " is ", last, " but the request has no prefix (expected -1)");
-    } else {
-      const int64_t page = page_of("last_loc", last);
-      if (geometry_.offset(last) != geometry_.offset(prefix - 1))
-        fail("last_loc", "entry ", j, " (", last, ") is not where a prefix of ", prefix,
-             " tokens ends in its page (page size ", page_size_, ")");
-      if (state_[page] != PageState::kHeld)
-        fail("last_loc", "entry ", j, " (", last, ") lies in page ", page, ", which is not allocated");
-    }
     tokens += seq - prefix;
-    pages += new_page_count(prefix, seq, geometry_);
+    pages += new_page_count(prefix, seq, page);
   }
   if (extend_num_tokens >= 0 && tokens != extend_num_tokens)
     fail("extend_num_tokens", "is ", extend_num_tokens, " but seq_lens - prefix_lens sums to ", tokens);
+  return pages;
+}
+
+void fail_last_loc(LastLocFault fault, int64_t entry, int64_t last_loc, int64_t prefix_len, const PageGeometry& page,
+                   int64_t num_pages) {
+  switch (fault) {
+    case LastLocFault::kNone:
+      return;
+    case LastLocFault::kOutOfPool:
+      fail("last_loc", "entry ", entry, ": index ", last_loc, " is outside the pool's slots [", page.size, ", ",
+           (num_pages + 1) * page.size, ") (page 0 is the padding page)");
+    case LastLocFault::kWrongOffset:
+      fail("last_loc", "entry ", entry, " (", last_loc, ") is not where a prefix of ", prefix_len,
+           " tokens ends in its page (page size ", page.size, ")");
+    case LastLocFault::kPageNotHeld:
+      fail("last_loc", "entry ", entry, " (", last_loc, ") lies in page ", page.page(last_loc),
+           ", which is not allocated");
+  }
+}
+
+int64_t PagePool::check_batch(const Batch& batch, int64_t extend_num_tokens) const {
+  const int64_t pages = check_batch_lengths(batch, batch.last_loc.size, extend_num_tokens, geometry_);
+  const auto state_of_page = [this](int64_t page) { return state_[page]; };
+  for (int64_t j = 0; j < batch.size(); ++j) {
+    const int64_t prefix = batch.prefix(j), last = batch.last_loc[j];
+    if (prefix == 0) {
+      if (last != -1) fail("last_loc", "entry ", j, " is ", last, " but the request has no prefix (expected -1)");
+      continue;
+    }
+    fail_last_loc(last_loc_fault(last, prefix, geometry_, num_pages_, state_of_page), j, last, prefix, geometry_,
+                  num_pages_);
+  }
   return pages;
 }
 
@@ -211,10 +250,12 @@ void PagePool::claim_indices(PageClaim& claim, const char* arg, Span indices) co
   for (int64_t i = 0; i < indices.size; ++i) claim.add(arg, page_of(arg, indices[i]), !token_mode());
 }
 
-void PagePool::check_segment_start(int64_t start_pos) const {
-  if (start_pos < 0 || geometry_.offset(start_pos) != 0)
-    fail("start_pos", start_pos, " is not page-aligned (page size ", page_size_, ")");
+void check_segment_start(int64_t start_pos, const PageGeometry& page) {
+  if (start_pos < 0 || page.offset(start_pos) != 0)
+    fail("start_pos", start_pos, " is not page-aligned (page size ", page.size, ")");
 }
+
+void PagePool::check_segment_start(int64_t start_pos) const { swa::check_segment_start(start_pos, geometry_); }
 
 void PagePool::claim_segment(PageClaim& claim, const char* indices_arg, Span indices, int64_t start_pos) const {
   check_segment_start(start_pos);
@@ -294,10 +335,17 @@ void PagePool::check_invariants() const {
       broken("page " + std::to_string(page) + " is marked free but is in no list");
 }
 
+std::vector<int64_t> PagePool::queued_by_index() const {
+  std::vector<int64_t> pages = group_index_pages_;
+  // A page pool releases them in page order, so their order until then means nothing.
+  if (!token_mode()) std::sort(pages.begin(), pages.end());
+  return pages;
+}
+
 bool PagePool::operator==(const PagePool& o) const {
   return size_ == o.size_ && page_size_ == o.page_size_ && need_sort_ == o.need_sort_ &&
          free_pages() == o.free_pages() && staged_ == o.staged_ && state_ == o.state_ &&
-         group_open_ == o.group_open_ && group_index_pages_ == o.group_index_pages_ &&
+         group_open_ == o.group_open_ && queued_by_index() == o.queued_by_index() &&
          group_page_ids_ == o.group_page_ids_;
 }
 

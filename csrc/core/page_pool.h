@@ -14,15 +14,6 @@
 
 namespace swa {
 
-enum class PageState : uint8_t {
-  kHeld,           // handed out
-  kFree,           // in the free list
-  kStaged,         // freed under need_sort, waiting for the next merge
-  kQueuedByIndex,  // freed by free() inside an open free group
-  kQueuedByPage,   // freed by page id (free_page_ids / *_segment) inside an open free group
-  kReleasing,      // transient: claimed by the call in progress
-};
-
 // A batch of requests growing from prefix to seq tokens. Decode batches have no
 // prefix span: each request grows by one token.
 struct Batch {
@@ -35,6 +26,15 @@ struct Batch {
 };
 
 class PagePool;
+
+// Checks a batch's lengths (host values only) and returns the new pages it needs.
+int64_t check_batch_lengths(const Batch& batch, int64_t last_loc_size, int64_t extend_num_tokens,
+                            const PageGeometry& page);
+// Throws unless start_pos (where a freed segment starts in its request) is page-aligned.
+void check_segment_start(int64_t start_pos, const PageGeometry& page);
+// Throws the ArgumentError for a last_loc entry that cannot end its prefix.
+void fail_last_loc(LastLocFault fault, int64_t entry, int64_t last_loc, int64_t prefix_len, const PageGeometry& page,
+                   int64_t num_pages);
 
 // Pages a call is about to free, marked so that repeats and double frees are caught
 // before anything changes. Unless committed, the marks are undone when it goes away,
@@ -65,6 +65,10 @@ class PageClaim {
 class PagePool {
  public:
   PagePool(int64_t size, int64_t page_size, bool need_sort);
+  // A pool with the given contents (a device pool's snapshot); check_invariants() vets it.
+  static PagePool from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
+                             std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
+                             std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids);
 
   int64_t size() const { return size_; }
   int64_t page_size() const { return page_size_; }
@@ -126,6 +130,8 @@ class PagePool {
 
   std::vector<int64_t> free_pages() const;  // in hand-out order
   const std::vector<int64_t>& staged_pages() const { return staged_; }
+  const std::vector<int64_t>& group_index_pages() const { return group_index_pages_; }
+  const std::vector<int64_t>& group_page_ids() const { return group_page_ids_; }
   std::string debug_string() const;
   // Throws std::logic_error naming the first broken invariant.
   void check_invariants() const;
@@ -134,6 +140,7 @@ class PagePool {
  private:
   friend class PageClaim;
   void reset_state();
+  std::vector<int64_t> queued_by_index() const;
 
   int64_t size_, page_size_, num_pages_;
   PageGeometry geometry_;

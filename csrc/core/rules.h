@@ -12,6 +12,17 @@
 
 namespace swa {
 
+// Where a page is. The CPU pool stores it in a byte per page, the device pool in a
+// 32-bit word per page (for atomicCAS); the values are the same.
+enum class PageState : uint8_t {
+  kHeld,           // handed out (page 0, the padding page, is always held)
+  kFree,           // in the free list
+  kStaged,         // freed under need_sort, waiting for the next merge
+  kQueuedByIndex,  // freed by free() inside an open free group
+  kQueuedByPage,   // freed by page id (free_page_ids / *_segment) inside an open free group
+  kReleasing,      // transient: claimed by the call in progress
+};
+
 SWA_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Page arithmetic of one page size on non-negative slots and lengths. Page sizes are
@@ -33,6 +44,38 @@ struct PageGeometry {
 };
 
 SWA_HD int64_t floor_to_page(int64_t n, int64_t page_size) { return PageGeometry(page_size).floor(n); }
+
+// Whether a slot lies in the pages of a pool of num_pages pages; page 0, the padding
+// page, is never handed out, so no valid slot lies in it.
+SWA_HD bool slot_in_pool(int64_t slot, const PageGeometry& page, int64_t num_pages) {
+  return slot >= page.size && slot < (num_pages + 1) * page.size;
+}
+
+// Why last_loc cannot end the prefix_len-token prefix of a request (prefix_len > 0),
+// given the state of the page it lies in; kNone when it can.
+enum class LastLocFault { kNone, kOutOfPool, kWrongOffset, kPageNotHeld };
+template <class StateOfPage>
+SWA_HD LastLocFault last_loc_fault(int64_t last_loc, int64_t prefix_len, const PageGeometry& page,
+                                   int64_t num_pages, const StateOfPage& state_of_page) {
+  if (!slot_in_pool(last_loc, page, num_pages)) return LastLocFault::kOutOfPool;
+  if (page.offset(last_loc) != page.offset(prefix_len - 1)) return LastLocFault::kWrongOffset;
+  if (state_of_page(page.page(last_loc)) != PageState::kHeld) return LastLocFault::kPageNotHeld;
+  return LastLocFault::kNone;
+}
+
+// Whether a request writes into the partial page its prefix ends in, so that its SWA
+// half needs the SWA slot of last_loc.
+SWA_HD bool continues_partial_page(int64_t prefix_len, int64_t seq_len, const PageGeometry& page) {
+  return page.offset(prefix_len) != 0 && seq_len > prefix_len;
+}
+
+// Whether swa_last, the mapped SWA slot of full slot last_loc, can be continued.
+template <class StateOfPage>
+SWA_HD bool swa_continuation_ok(int64_t last_loc, int64_t swa_last, const PageGeometry& page, int64_t swa_num_pages,
+                                const StateOfPage& swa_state_of_page) {
+  return swa_last > 0 && slot_in_pool(swa_last, page, swa_num_pages) && page.offset(swa_last) == page.offset(last_loc) &&
+         swa_state_of_page(page.page(swa_last)) == PageState::kHeld;
+}
 
 // Pages a request gains when it grows from prefix_len to seq_len tokens.
 SWA_HD int64_t new_page_count(int64_t prefix_len, int64_t seq_len, const PageGeometry& page) {

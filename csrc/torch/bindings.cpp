@@ -7,7 +7,13 @@
 #include <memory>
 #include <optional>
 
+#include "../core/device_allocator.h"
 #include "../core/hybrid_allocator.h"
+#ifdef SWA_EXT_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+
+#include "cuda_executor.h"
+#endif
 
 namespace py = pybind11;
 
@@ -63,7 +69,11 @@ IntArg lengths_arg(const char* name, const py::handle& device_obj, const char* c
     if (dev.tensor.numel() != n || (n > 0 && std::memcmp(dev.span().data, cpu.span().data, sizeof(int64_t) * n) != 0))
       throw py::value_error(std::string(name) + ": does not match " + cpu_name);
   } else if (!device.is_cpu()) {
-    throw py::type_error("this build of swa_ext runs allocators on the CPU only");
+    // Comparing with the device copy would wait for the GPU; its size is all we check.
+    if (!THPVariable_Check(device_obj.ptr()))
+      throw py::type_error(std::string(name) + ": expected a torch.Tensor");
+    if (THPVariable_Unpack(device_obj.ptr()).numel() != cpu.tensor.numel())
+      throw py::value_error(std::string(name) + ": has another length than " + cpu_name);
   }
   return cpu;
 }
@@ -87,49 +97,103 @@ struct TensorOut : swa::OutBuffer {
 
 py::object result(bool ok, TensorOut& out) { return ok ? py::cast(out.tensor) : py::none(); }
 
+bool built_with_cuda() {
+#ifdef SWA_EXT_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 c10::Device device_arg(const py::object& device) {
-  const c10::Device d = py::isinstance<py::str>(device) ? c10::Device(device.cast<std::string>())
-                                                         : device.cast<c10::Device>();
-  if (!d.is_cpu()) throw py::type_error("device: this build of swa_ext has no CUDA kernels; use device='cpu'");
+  c10::Device d = py::isinstance<py::str>(device) ? c10::Device(device.cast<std::string>())
+                                                   : device.cast<c10::Device>();
+  if (d.is_cuda() && !built_with_cuda())
+    throw py::type_error("device: this build of swa_ext has no CUDA kernels; use device='cpu'");
+  if (!d.is_cpu() && !d.is_cuda()) throw py::type_error("device: expected 'cpu' or 'cuda', got " + d.str());
+#ifdef SWA_EXT_WITH_CUDA
+  if (d.is_cuda() && !d.has_index()) d = c10::Device(c10::kCUDA, c10::cuda::current_device());
+#endif
   return d;
 }
 
-// One page pool as SGLang's PagedTokenToKVPoolAllocator / TokenToKVPoolAllocator sees it.
-// Pools of a hybrid allocator share its core pool and its guard.
+// The executor of a device allocator: the GPU's, or (kernels="emulated", on the CPU)
+// the ops run element by element on the host, for testing the device algorithm.
+std::shared_ptr<swa::Executor> device_executor(const c10::Device& device, const std::string& kernels) {
+  if (kernels != "auto" && kernels != "emulated")
+    throw py::value_error("kernels: expected 'auto' or 'emulated', got '" + kernels + "'");
+  if (device.is_cpu()) return kernels == "emulated" ? std::make_shared<swa::HostExecutor>() : nullptr;
+  if (kernels == "emulated") throw py::value_error("kernels: 'emulated' runs on device='cpu' only");
+#ifdef SWA_EXT_WITH_CUDA
+  return swa::make_cuda_executor(device);
+#else
+  return nullptr;
+#endif
+}
+
+// One page pool as SGLang's PagedTokenToKVPoolAllocator / TokenToKVPoolAllocator sees it:
+// the CPU core's pool, or a device pool. Pools of a hybrid allocator share its core
+// pool and its guard.
 struct PoolHandle {
   std::shared_ptr<swa::PagePool> pool;
+  std::shared_ptr<swa::DevicePool> device_pool;
   c10::Device device;
   std::shared_ptr<std::atomic<bool>> busy;
   bool debug;
 
+  swa::PagePool state() const { return pool ? *pool : device_pool->snapshot(); }
   void after_change() const {
-    if (debug) pool->check_invariants();
+    if (!debug) return;
+    if (pool) pool->check_invariants();
+    else device_pool->check_invariants();
   }
 };
 
 struct HybridHandle {
-  HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev)
+  HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev,
+               const std::string& kernels)
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
     if (size_swa < page_size) swa::fail("size_swa", "must hold at least one page of ", page_size, " tokens, got ", size_swa);
     if (size < page_size) swa::fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
+    std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
     // One tensor for the allocator's life: serving engines register it with their KV cache.
     mapping = at::zeros({swa::HybridAllocator::mapping_size(size, page_size)}, at::TensorOptions().dtype(at::kLong).device(device));
-    core = std::make_unique<swa::HybridAllocator>(size, size_swa, page_size, need_sort, mapping.data_ptr<int64_t>());
+    if (executor)
+      device_core = std::make_unique<swa::DeviceHybridAllocator>(executor, size, size_swa, page_size, need_sort, debug,
+                                                                 mapping.data_ptr<int64_t>());
+    else
+      core = std::make_unique<swa::HybridAllocator>(size, size_swa, page_size, need_sort, mapping.data_ptr<int64_t>());
   }
   void after_change() const {
-    if (debug) core->check_invariants();
+    if (!debug) return;
+    if (core) core->check_invariants();
+    else device_core->check_invariants();
   }
-  PoolHandle pool_view(const std::shared_ptr<swa::PagePool>& pool) const { return PoolHandle{pool, device, busy, debug}; }
+  PoolHandle full_view() const {
+    return core ? PoolHandle{core->full_ptr(), nullptr, device, busy, debug}
+                : PoolHandle{nullptr, device_core->full_ptr(), device, busy, debug};
+  }
+  PoolHandle swa_view() const {
+    return core ? PoolHandle{core->swa_ptr(), nullptr, device, busy, debug}
+                : PoolHandle{nullptr, device_core->swa_ptr(), device, busy, debug};
+  }
+  int64_t full_size() const { return core ? core->full().size() : device_core->full().size(); }
+  int64_t swa_size() const { return core ? core->swa().size() : device_core->swa().size(); }
 
   c10::Device device;
   at::Tensor mapping;
   std::shared_ptr<std::atomic<bool>> busy;
   bool debug;
-  std::unique_ptr<swa::HybridAllocator> core;
+  std::unique_ptr<swa::HybridAllocator> core;                // CPU
+  std::unique_ptr<swa::DeviceHybridAllocator> device_core;  // GPU, or the emulated device algorithm
 };
 
 swa::Batch extend_batch(const IntArg& prefix, const IntArg& seq, const IntArg& last) {
   return swa::Batch{prefix.span(), seq.span(), last.span(), false};
+}
+
+swa::Batch decode_batch(const IntArg& seq, const IntArg& last) {
+  return swa::Batch{swa::Span(), seq.span(), last.span(), true};
 }
 
 template <class Slot>
@@ -139,12 +203,15 @@ void evict_rows(swa::HybridAllocator& core, const at::Tensor& req_to_token, cons
                            pre_lens.span(), evicted.span(), window, interval, prefix_sharing, out);
 }
 
+at::Tensor int_tensor(const std::vector<int64_t>& values) { return at::tensor(values, at::kLong); }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "swa_ext native core: SWA hybrid KV page allocator";
   py::register_exception<swa::ConcurrentUseError>(m, "ConcurrentUseError", PyExc_RuntimeError);
-  m.def("built_with_cuda", []() { return false; });
+  py::register_exception<swa::DeferredError>(m, "DeferredError", PyExc_RuntimeError);
+  m.def("built_with_cuda", &built_with_cuda);
   m.def("swa_tail_len", &swa::swa_tail_len, py::arg("seq_len"), py::arg("window"), py::arg("page_size"),
         py::arg("radix_cache") = false);
   m.def("evicted_after_step", &swa::evicted_after_step, py::arg("evicted"), py::arg("pre_len"), py::arg("window"),
@@ -158,27 +225,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__eq__", [](const swa::PagePool& a, const swa::PagePool& b) { return a == b; });
 
   py::class_<PoolHandle>(m, "PagePool")
-      .def(py::init([](int64_t size, int64_t page_size, const py::object& device, bool need_sort) {
-             return PoolHandle{std::make_shared<swa::PagePool>(size, page_size, need_sort), device_arg(device),
-                               std::make_shared<std::atomic<bool>>(false), debug_checks_enabled()};
+      .def(py::init([](int64_t size, int64_t page_size, const py::object& device, bool need_sort, const std::string& kernels) {
+             const c10::Device dev = device_arg(device);
+             const bool debug = debug_checks_enabled();
+             std::shared_ptr<swa::Executor> executor = device_executor(dev, kernels);
+             if (!executor)
+               return PoolHandle{std::make_shared<swa::PagePool>(size, page_size, need_sort), nullptr, dev,
+                                 std::make_shared<std::atomic<bool>>(false), debug};
+             auto control = std::make_shared<swa::DeviceControl>(executor, 1, debug);
+             return PoolHandle{nullptr, std::make_shared<swa::DevicePool>(control, 0, size, page_size, need_sort), dev,
+                               std::make_shared<std::atomic<bool>>(false), debug};
            }),
-           py::arg("size"), py::arg("page_size"), py::arg("device"), py::arg("need_sort") = false)
+           py::arg("size"), py::arg("page_size"), py::arg("device"), py::arg("need_sort") = false,
+           py::arg("kernels") = "auto")
       // A second handle on the same pool: the pools of a hybrid allocator.
       .def(py::init([](const PoolHandle& shared) { return shared; }), py::arg("shared"))
-      .def_property_readonly("page_size", [](const PoolHandle& h) { return h.pool->page_size(); })
-      .def_property_readonly("size", [](const PoolHandle& h) { return h.pool->size(); })
-      .def_property_readonly("size_full", [](const PoolHandle& h) { return h.pool->size(); })
-      .def_property_readonly("num_pages", [](const PoolHandle& h) { return h.pool->num_pages(); })
-      .def_property_readonly("need_sort", [](const PoolHandle& h) { return h.pool->need_sort(); })
+      .def_property_readonly("page_size", [](const PoolHandle& h) { return h.pool ? h.pool->page_size() : h.device_pool->page_size(); })
+      .def_property_readonly("size", [](const PoolHandle& h) { return h.pool ? h.pool->size() : h.device_pool->size(); })
+      .def_property_readonly("size_full", [](const PoolHandle& h) { return h.pool ? h.pool->size() : h.device_pool->size(); })
+      .def_property_readonly("num_pages", [](const PoolHandle& h) { return h.pool ? h.pool->num_pages() : h.device_pool->num_pages(); })
+      .def_property_readonly("need_sort", [](const PoolHandle& h) { return h.pool ? h.pool->need_sort() : h.device_pool->need_sort(); })
       .def_property_readonly("device", [](const PoolHandle& h) { return h.device; })
-      .def_property_readonly("free_pages", [](const PoolHandle& h) { return at::tensor(h.pool->free_pages(), at::kLong); })
-      .def_property_readonly("release_pages", [](const PoolHandle& h) { return at::tensor(h.pool->staged_pages(), at::kLong); })
-      .def_property_readonly("is_not_in_free_group", [](const PoolHandle& h) { return !h.pool->in_free_group(); })
-      .def("available_size", [](const PoolHandle& h) { return h.pool->available_size(); })
+      .def_property_readonly("free_pages", [](const PoolHandle& h) { return int_tensor(h.state().free_pages()); })
+      .def_property_readonly("release_pages", [](const PoolHandle& h) { return int_tensor(h.state().staged_pages()); })
+      .def_property_readonly("is_not_in_free_group", [](const PoolHandle& h) {
+             return h.pool ? !h.pool->in_free_group() : !h.device_pool->in_free_group();
+           })
+      .def("available_size", [](PoolHandle& h) { return h.pool ? h.pool->available_size() : h.device_pool->available_size(); })
       .def("alloc", [](PoolHandle& h, int64_t need_size) {
              UseGuard guard(*h.busy);
              TensorOut out(h.device);
-             const bool ok = h.pool->alloc(need_size, out);
+             const bool ok = h.pool ? h.pool->alloc(need_size, out) : h.device_pool->alloc(need_size, out);
              h.after_change();
              return result(ok, out);
            }, py::arg("need_size"))
@@ -190,7 +267,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const bool ok = h.pool->alloc_extend(extend_batch(pre, seq, last), extend_num_tokens, num_new_pages.value_or(-1), out);
+             const swa::Batch batch = extend_batch(pre, seq, last);
+             const bool ok = h.pool ? h.pool->alloc_extend(batch, extend_num_tokens, num_new_pages.value_or(-1), out)
+                                    : h.device_pool->alloc_extend(batch, last.span().data, last.span().size,
+                                                                  extend_num_tokens, num_new_pages.value_or(-1), out);
              h.after_change();
              return result(ok, out);
            }, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
@@ -200,67 +280,104 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const bool ok = h.pool->alloc_decode(swa::Batch{swa::Span(), seq.span(), last.span(), true}, out);
+             const swa::Batch batch = decode_batch(seq, last);
+             const bool ok = h.pool ? h.pool->alloc_decode(batch, out)
+                                    : h.device_pool->alloc_decode(batch, last.span().data, last.span().size, out);
              h.after_change();
              return result(ok, out);
            }, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
       .def("free", [](PoolHandle& h, const py::object& free_index) {
              UseGuard guard(*h.busy);
-             h.pool->free(int_arg("free_index", free_index, h.device).span());
+             const IntArg idx_arg = int_arg("free_index", free_index, h.device);
+             const swa::Span idx = idx_arg.span();
+             if (h.pool) h.pool->free(idx);
+             else h.device_pool->free(idx.data, idx.size);
              h.after_change();
            }, py::arg("free_index"))
       .def("free_page_ids", [](PoolHandle& h, const py::object& page_ids) {
              UseGuard guard(*h.busy);
-             h.pool->free_page_ids(int_arg("page_ids", page_ids, h.device).span());
+             const IntArg pages_arg = int_arg("page_ids", page_ids, h.device);
+             const swa::Span pages = pages_arg.span();
+             if (h.pool) h.pool->free_page_ids(pages);
+             else h.device_pool->free_page_ids(pages.data, pages.size);
              h.after_change();
            }, py::arg("page_ids"))
       .def("free_segment", [](PoolHandle& h, const py::object& indices, int64_t start_pos) {
              UseGuard guard(*h.busy);
-             h.pool->free_segment(int_arg("indices", indices, h.device).span(), start_pos);
+             const IntArg idx_arg = int_arg("indices", indices, h.device);
+             const swa::Span idx = idx_arg.span();
+             if (h.pool) h.pool->free_segment(idx, start_pos);
+             else h.device_pool->free_segment(idx.data, idx.size, start_pos);
              h.after_change();
            }, py::arg("indices"), py::kw_only(), py::arg("start_pos"))
-      .def("free_group_begin", [](PoolHandle& h) { UseGuard guard(*h.busy); h.pool->free_group_begin(); })
+      .def("free_group_begin", [](PoolHandle& h) {
+             UseGuard guard(*h.busy);
+             if (h.pool) h.pool->free_group_begin();
+             else h.device_pool->free_group_begin();
+           })
       .def("free_group_end", [](PoolHandle& h) {
              UseGuard guard(*h.busy);
-             h.pool->free_group_end();
+             if (h.pool) h.pool->free_group_end();
+             else h.device_pool->free_group_end();
              h.after_change();
            })
-      .def("merge_and_sort_free", [](PoolHandle& h) { UseGuard guard(*h.busy); h.pool->merge_and_sort_free(); })
-      .def("clear", [](PoolHandle& h) { UseGuard guard(*h.busy); h.pool->clear(); })
-      .def("debug_print", [](const PoolHandle& h) { return h.pool->debug_string(); })
-      .def("check_invariants", [](const PoolHandle& h) { h.pool->check_invariants(); })
-      .def("backup_state", [](const PoolHandle& h) { return *h.pool; })
+      .def("merge_and_sort_free", [](PoolHandle& h) {
+             UseGuard guard(*h.busy);
+             if (h.pool) h.pool->merge_and_sort_free();
+             else h.device_pool->merge_and_sort_free();
+           })
+      .def("clear", [](PoolHandle& h) {
+             UseGuard guard(*h.busy);
+             if (h.pool) return h.pool->clear();
+             h.device_pool->clear();
+             h.device_pool->control().reset();
+           })
+      .def("debug_print", [](const PoolHandle& h) { return h.state().debug_string(); })
+      .def("check_invariants", [](const PoolHandle& h) { h.state().check_invariants(); })
+      .def("backup_state", [](const PoolHandle& h) { return h.state(); })
       .def("restore_state", [](PoolHandle& h, const swa::PagePool& state) {
              UseGuard guard(*h.busy);
-             if (state.size() != h.pool->size() || state.page_size() != h.pool->page_size())
+             const int64_t size = h.pool ? h.pool->size() : h.device_pool->size();
+             const int64_t page_size = h.pool ? h.pool->page_size() : h.device_pool->page_size();
+             if (state.size() != size || state.page_size() != page_size)
                swa::fail("state", "was taken from a pool of another shape");
-             *h.pool = state;
+             if (h.pool) return void(*h.pool = state);
+             h.device_pool->restore(state);
+             h.device_pool->control().reset();
            }, py::arg("state"));
 
   py::class_<HybridHandle>(m, "HybridAllocator")
-      .def(py::init([](int64_t size, int64_t size_swa, int64_t page_size, const py::object& device, bool need_sort) {
-             return std::make_unique<HybridHandle>(size, size_swa, page_size, need_sort, device_arg(device));
+      .def(py::init([](int64_t size, int64_t size_swa, int64_t page_size, const py::object& device, bool need_sort,
+                       const std::string& kernels) {
+             return std::make_unique<HybridHandle>(size, size_swa, page_size, need_sort, device_arg(device), kernels);
            }),
-           py::arg("size"), py::arg("size_swa"), py::arg("page_size"), py::arg("device"), py::arg("need_sort"))
-      .def_property_readonly("page_size", [](const HybridHandle& h) { return h.core->page_size(); })
-      .def_property_readonly("size", [](const HybridHandle& h) { return std::min(h.core->full().size(), h.core->swa().size()); })
-      .def_property_readonly("size_full", [](const HybridHandle& h) { return h.core->full().size(); })
-      .def_property_readonly("size_swa", [](const HybridHandle& h) { return h.core->swa().size(); })
-      .def_property_readonly("need_sort", [](const HybridHandle& h) { return h.core->full().need_sort(); })
+           py::arg("size"), py::arg("size_swa"), py::arg("page_size"), py::arg("device"), py::arg("need_sort"),
+           py::arg("kernels") = "auto")
+      .def_property_readonly("page_size", [](const HybridHandle& h) { return h.core ? h.core->page_size() : h.device_core->page_size(); })
+      .def_property_readonly("size", [](const HybridHandle& h) { return std::min(h.full_size(), h.swa_size()); })
+      .def_property_readonly("size_full", [](const HybridHandle& h) { return h.full_size(); })
+      .def_property_readonly("size_swa", [](const HybridHandle& h) { return h.swa_size(); })
+      .def_property_readonly("need_sort", [](const HybridHandle& h) { return h.core ? h.core->full().need_sort() : h.device_core->full().need_sort(); })
       .def_property_readonly("device", [](const HybridHandle& h) { return h.device; })
+      .def_property_readonly("kernels", [](const HybridHandle& h) {
+             return h.core ? "cpu" : h.device.is_cpu() ? "emulated" : "cuda";
+           })
       .def_property_readonly("full_to_swa_index_mapping", [](const HybridHandle& h) { return h.mapping; })
-      .def("_full_pool", [](const HybridHandle& h) { return h.pool_view(h.core->full_ptr()); })
-      .def("_swa_pool", [](const HybridHandle& h) { return h.pool_view(h.core->swa_ptr()); })
-      .def("available_size", [](const HybridHandle& h) { return h.core->available_size(); })
-      .def("full_available_size", [](const HybridHandle& h) { return h.core->full().available_size(); })
-      .def("swa_available_size", [](const HybridHandle& h) { return h.core->swa().available_size(); })
-      .def("new_pages_available", [](const HybridHandle& h, int64_t num_full_pages, int64_t num_swa_pages) {
-             return h.core->new_pages_available(num_full_pages, num_swa_pages);
+      // How many times the allocator has waited for the GPU (count read-backs, state snapshots).
+      .def_property_readonly("device_waits", [](const HybridHandle& h) { return h.core ? 0 : h.device_core->control().waits(); })
+      .def("_full_pool", [](const HybridHandle& h) { return h.full_view(); })
+      .def("_swa_pool", [](const HybridHandle& h) { return h.swa_view(); })
+      .def("available_size", [](HybridHandle& h) { return h.core ? h.core->available_size() : h.device_core->available_size(); })
+      .def("full_available_size", [](HybridHandle& h) { return h.core ? h.core->full().available_size() : h.device_core->full().available_size(); })
+      .def("swa_available_size", [](HybridHandle& h) { return h.core ? h.core->swa().available_size() : h.device_core->swa().available_size(); })
+      .def("new_pages_available", [](HybridHandle& h, int64_t num_full_pages, int64_t num_swa_pages) {
+             return h.core ? h.core->new_pages_available(num_full_pages, num_swa_pages)
+                           : h.device_core->new_pages_available(num_full_pages, num_swa_pages);
            }, py::arg("num_full_pages"), py::arg("num_swa_pages"))
       .def("alloc", [](HybridHandle& h, int64_t need_size) {
              UseGuard guard(*h.busy);
              TensorOut out(h.device);
-             const bool ok = h.core->alloc(need_size, out);
+             const bool ok = h.core ? h.core->alloc(need_size, out) : h.device_core->alloc(need_size, out);
              h.after_change();
              return result(ok, out);
            }, py::arg("need_size"))
@@ -272,7 +389,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const bool ok = h.core->alloc_extend(extend_batch(pre, seq, last), extend_num_tokens, out);
+             const swa::Batch batch = extend_batch(pre, seq, last);
+             const bool ok = h.core ? h.core->alloc_extend(batch, extend_num_tokens, out)
+                                    : h.device_core->alloc_extend(batch, last.span().data, last.span().size,
+                                                                  extend_num_tokens, out);
              h.after_change();
              return result(ok, out);
            }, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
@@ -285,7 +405,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const bool ok = h.core->alloc_extend_swa_tail(extend_batch(pre, seq, last), extend_num_tokens, swa_tail_len, out);
+             const swa::Batch batch = extend_batch(pre, seq, last);
+             const bool ok = h.core ? h.core->alloc_extend_swa_tail(batch, extend_num_tokens, swa_tail_len, out)
+                                    : h.device_core->alloc_extend_swa_tail(batch, last.span().data, last.span().size,
+                                                                           extend_num_tokens, swa_tail_len, out);
              h.after_change();
              return result(ok, out);
            }, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
@@ -295,35 +418,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const bool ok = h.core->alloc_decode(swa::Batch{swa::Span(), seq.span(), last.span(), true}, out);
+             const swa::Batch batch = decode_batch(seq, last);
+             const bool ok = h.core ? h.core->alloc_decode(batch, out)
+                                    : h.device_core->alloc_decode(batch, last.span().data, last.span().size, out);
              h.after_change();
              return result(ok, out);
            }, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
-      .def("translate_loc_from_full_to_swa", [](const HybridHandle& h, const py::object& kv_indices) {
+      .def("translate_loc_from_full_to_swa", [](HybridHandle& h, const py::object& kv_indices) {
              const IntArg idx = int_arg("kv_indices", kv_indices, h.device);
              at::Tensor out = empty_indices(idx.tensor.numel(), h.device);
-             h.core->translate(idx.span(), out.data_ptr<int64_t>());
+             if (h.core) h.core->translate(idx.span(), out.data_ptr<int64_t>());
+             else h.device_core->translate(idx.span().data, idx.span().size, out.data_ptr<int64_t>());
              return out;
            }, py::arg("kv_indices"))
       .def("set_full_to_swa_mapping", [](HybridHandle& h, const py::object& full_indices, const py::object& swa_indices) {
              UseGuard guard(*h.busy);
-             h.core->set_mapping(int_arg("full_indices", full_indices, h.device).span(),
-                                 int_arg("swa_indices", swa_indices, h.device).span());
+             const IntArg full_arg = int_arg("full_indices", full_indices, h.device);
+             const swa::Span full = full_arg.span();
+             const IntArg swa_arg = int_arg("swa_indices", swa_indices, h.device);
+             if (h.core) h.core->set_mapping(full, swa_arg.span());
+             else h.device_core->set_mapping(full.data, full.size, swa_arg.span().data, swa_arg.span().size);
            }, py::arg("full_indices"), py::arg("swa_indices"))
       .def("clear_full_to_swa_mapping", [](HybridHandle& h, const py::object& full_indices) {
              UseGuard guard(*h.busy);
-             h.core->clear_mapping(int_arg("full_indices", full_indices, h.device).span());
+             const IntArg full_arg = int_arg("full_indices", full_indices, h.device);
+             const swa::Span full = full_arg.span();
+             if (h.core) h.core->clear_mapping(full);
+             else h.device_core->clear_mapping(full.data, full.size);
            }, py::arg("full_indices"))
 #define SWA_EXT_FREE(name, arg_name)                                                                 \
   .def(#name, [](HybridHandle& h, const py::object& indices) {                                   \
         UseGuard guard(*h.busy);                                                                  \
-        h.core->name(int_arg(arg_name, indices, h.device).span());                                  \
+        const IntArg idx_arg = int_arg(arg_name, indices, h.device);                              \
+        const swa::Span idx = idx_arg.span();                                                     \
+        if (h.core) h.core->name(idx);                                                            \
+        else h.device_core->name(idx.data, idx.size);                                             \
         h.after_change();                                                                         \
       }, py::arg(arg_name))
 #define SWA_EXT_FREE_SEGMENT(name)                                                                \
   .def(#name, [](HybridHandle& h, const py::object& indices, int64_t start_pos) {                \
         UseGuard guard(*h.busy);                                                                  \
-        h.core->name(int_arg("indices", indices, h.device).span(), start_pos);                    \
+        const IntArg idx_arg = int_arg("indices", indices, h.device);                             \
+        const swa::Span idx = idx_arg.span();                                                     \
+        if (h.core) h.core->name(idx, start_pos);                                                 \
+        else h.device_core->name(idx.data, idx.size, start_pos);                                  \
         h.after_change();                                                                         \
       }, py::arg("indices"), py::kw_only(), py::arg("start_pos"))
       SWA_EXT_FREE(free, "free_index")
@@ -334,10 +472,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       SWA_EXT_FREE_SEGMENT(free_full_segment)
 #undef SWA_EXT_FREE
 #undef SWA_EXT_FREE_SEGMENT
-      .def("free_group_begin", [](HybridHandle& h) { UseGuard guard(*h.busy); h.core->free_group_begin(); })
+      .def("free_group_begin", [](HybridHandle& h) {
+             UseGuard guard(*h.busy);
+             if (h.core) h.core->free_group_begin();
+             else h.device_core->free_group_begin();
+           })
       .def("free_group_end", [](HybridHandle& h) {
              UseGuard guard(*h.busy);
-             h.core->free_group_end();
+             if (h.core) h.core->free_group_end();
+             else h.device_core->free_group_end();
              h.after_change();
            })
       .def("evict_out_of_window", [](HybridHandle& h, const at::Tensor& req_to_token, const py::object& rows,
@@ -348,27 +491,47 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                throw py::value_error("req_to_token: expected a contiguous 2-D tensor");
              if (req_to_token.device() != h.device)
                throw py::type_error("req_to_token: expected a tensor on " + h.device.str());
+             const bool int32 = req_to_token.scalar_type() == at::kInt;
+             if (!int32 && req_to_token.scalar_type() != at::kLong)
+               throw py::type_error("req_to_token: expected an int32 or int64 tensor");
              const c10::Device cpu(c10::kCPU);
              const IntArg row_ids = int_arg("rows", rows, cpu), pre = int_arg("pre_lens", pre_lens, cpu);
              const IntArg evicted = int_arg("evicted_seqlens", evicted_seqlens, cpu);
              at::Tensor out = empty_indices(row_ids.tensor.numel(), cpu);
              int64_t* out_ptr = out.data_ptr<int64_t>();
-             if (req_to_token.scalar_type() == at::kInt)
+             if (h.device_core) {
+               h.device_core->evict_out_of_window(int32 ? req_to_token.data_ptr<int32_t>() : nullptr,
+                                                  int32 ? nullptr : req_to_token.data_ptr<int64_t>(),
+                                                  req_to_token.size(0), req_to_token.size(1), row_ids.span(),
+                                                  pre.span(), evicted.span(), window, interval, prefix_sharing, out_ptr);
+             } else if (int32) {
                evict_rows<int32_t>(*h.core, req_to_token, row_ids, pre, evicted, window, interval, prefix_sharing, out_ptr);
-             else if (req_to_token.scalar_type() == at::kLong)
+             } else {
                evict_rows<int64_t>(*h.core, req_to_token, row_ids, pre, evicted, window, interval, prefix_sharing, out_ptr);
-             else
-               throw py::type_error("req_to_token: expected an int32 or int64 tensor");
+             }
              h.after_change();
              return out;
            }, py::arg("req_to_token"), py::arg("rows"), py::arg("pre_lens"), py::arg("evicted_seqlens"),
            py::arg("window"), py::arg("interval") = 1, py::arg("prefix_sharing") = false)
-      .def("clear", [](HybridHandle& h) { UseGuard guard(*h.busy); h.core->clear(); })
-      .def("debug_print", [](const HybridHandle& h) { return h.core->debug_string(); })
-      .def("check_invariants", [](const HybridHandle& h) { h.core->check_invariants(); })
-      .def("backup_state", [](const HybridHandle& h) { return h.core->backup_state(); })
+      .def("clear", [](HybridHandle& h) {
+             UseGuard guard(*h.busy);
+             if (h.core) h.core->clear();
+             else h.device_core->clear();
+           })
+      // Waits for the device and raises an error its checks found since the last wait
+      // (DeferredError); nothing to do on the CPU, whose calls raise at once.
+      .def("check_device_errors", [](HybridHandle& h) {
+             if (h.device_core) h.device_core->control().raise_found_errors();
+           })
+      .def("debug_print", [](HybridHandle& h) { return h.core ? h.core->debug_string() : h.device_core->debug_string(); })
+      .def("check_invariants", [](HybridHandle& h) {
+             if (h.core) h.core->check_invariants();
+             else h.device_core->check_invariants();
+           })
+      .def("backup_state", [](HybridHandle& h) { return h.core ? h.core->backup_state() : h.device_core->backup_state(); })
       .def("restore_state", [](HybridHandle& h, const swa::HybridAllocator::State& state) {
              UseGuard guard(*h.busy);
-             h.core->restore_state(state);
+             if (h.core) h.core->restore_state(state);
+             else h.device_core->restore_state(state);
            }, py::arg("state"));
 }

@@ -1,0 +1,754 @@
+#include "device_allocator.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace swa {
+
+namespace {
+
+const char* const kCallNames[] = {
+    "alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail", "free", "free_swa", "free_full",
+    "free_segment", "free_swa_segment", "free_full_segment", "free_page_ids", "evict_out_of_window",
+    "translate_loc_from_full_to_swa", "set_full_to_swa_mapping", "clear_full_to_swa_mapping",
+};
+const char* const kArgNames[] = {"last_loc", "indices", "page_ids", "req_to_token", "kv_indices", "full_indices",
+                                 "swa_indices"};
+
+const char* name_of(const char* const* names, size_t count, int64_t id) {
+  return id >= 0 && static_cast<size_t>(id) < count ? names[id] : "?";
+}
+
+// The device's view of a batch: where each request's tokens and new pages begin, and
+// its lengths (BatchView's layout).
+std::vector<int64_t> batch_words(const Batch& batch, const PageGeometry& page) {
+  const int64_t bs = batch.size();
+  std::vector<int64_t> words(static_cast<size_t>(dev::BatchView::words_for(bs)));
+  int64_t* token_begin = words.data();
+  int64_t* page_begin = token_begin + bs + 1;
+  int64_t* prefix = page_begin + bs;
+  int64_t* seq = prefix + bs;
+  int64_t tokens = 0, pages = 0;
+  for (int64_t j = 0; j < bs; ++j) {
+    token_begin[j] = tokens;
+    page_begin[j] = pages;
+    prefix[j] = batch.prefix(j);
+    seq[j] = batch.seq_lens[j];
+    tokens += seq[j] - prefix[j];
+    pages += new_page_count(prefix[j], seq[j], page);
+  }
+  token_begin[bs] = tokens;
+  return words;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- DeviceControl
+
+DeviceControl::DeviceControl(std::shared_ptr<Executor> executor, int num_pools, bool debug)
+    : executor_(std::move(executor)), num_pools_(num_pools), debug_(debug) {
+  words_ = executor_->allocate(dev::kErrWords + 2 * dev::kCtlWords * num_pools_);
+}
+
+void DeviceControl::check_usable() const {
+  if (!poisoned_.empty()) throw DeferredError(poisoned_);
+}
+
+void DeviceControl::start_count_readback() {
+  for (DevicePool* pool : pools_) pool->count_readback_started();
+  executor_->start_readback(words_, dev::kErrWords + 2 * dev::kCtlWords * num_pools_);
+  readback_pending_ = true;
+}
+
+void DeviceControl::resolve_counts() {
+  if (!readback_pending_) return;
+  readback_pending_ = false;
+  const int64_t* record = executor_->finish_readback();
+  for (DevicePool* pool : pools_) pool->count_readback_finished(record);
+  if (record[dev::kErrCode] != dev::kNoError) poison(record);
+  check_usable();
+}
+
+std::string DeviceControl::take_error() {
+  int64_t record[dev::kErrWords];
+  executor_->copy_to_host(record, words_, dev::kErrWords);
+  if (record[dev::kErrCode] == dev::kNoError) return {};
+  const int64_t zeros[dev::kErrWords] = {};
+  executor_->copy_to_device(words_, zeros, dev::kErrWords);
+  return describe(record);
+}
+
+void DeviceControl::raise_found_errors() {
+  check_usable();
+  int64_t record[dev::kErrWords];
+  executor_->copy_to_host(record, words_, dev::kErrWords);
+  if (record[dev::kErrCode] == dev::kNoError) return;
+  poison(record);
+  check_usable();
+}
+
+void DeviceControl::poison(const int64_t* record) {
+  poisoned_ = describe(record) +
+              " (found on the device after the call returned; the allocator refuses every call until clear() or "
+              "restore_state(); SWA_EXT_DEBUG=1 checks each call before it changes anything)";
+}
+
+void DeviceControl::reset() {
+  const int64_t zeros[dev::kErrWords] = {};
+  executor_->copy_to_device(words_, zeros, dev::kErrWords);
+  poisoned_.clear();
+  readback_pending_ = false;
+}
+
+std::string DeviceControl::describe(const int64_t* r) const {
+  std::ostringstream m;
+  const int64_t entry = r[dev::kErrEntry], value = r[dev::kErrValue];
+  m << name_of(kArgNames, std::size(kArgNames), r[dev::kErrArg]) << ": ";
+  switch (r[dev::kErrCode]) {
+    case dev::kSlotOutOfPool:
+      m << "entry " << entry << ": index " << value << " is outside the pool's slots (page 0 is the padding page)";
+      break;
+    case dev::kPageIdOutOfPool:
+      m << "entry " << entry << ": page id " << value << " is outside the pool (page 0 is the padding page)";
+      break;
+    case dev::kAlreadyFree:
+      m << "page " << value << " is already free (double free)";
+      break;
+    case dev::kQueuedInGroup:
+      m << "page " << value << " is already freed in the open free group (double free)";
+      break;
+    case dev::kRepeatedInCall:
+      m << "page " << value << " is freed twice in one call";
+      break;
+    case dev::kUnmapped:
+      m << "full slot " << value << " has no SWA slot (already evicted or never mapped)";
+      break;
+    case dev::kLastLocNotEmpty:
+      m << "entry " << entry << " is " << value << " but the request has no prefix (expected -1)";
+      break;
+    case dev::kLastLocOutOfPool:
+      m << "entry " << entry << ": index " << value << " is outside the pool's slots (page 0 is the padding page)";
+      break;
+    case dev::kLastLocOffset:
+      m << "entry " << entry << " (" << value << ") is not where its prefix ends in its page";
+      break;
+    case dev::kLastLocNotHeld:
+      m << "entry " << entry << " (" << value << ") lies in a page which is not allocated";
+      break;
+    case dev::kSwaContinuation:
+      m << "entry " << entry << " (" << value << ") has no live SWA slot at the same page offset to continue its "
+        << "partial page (evicted?)";
+      break;
+    case dev::kTranslateRange:
+      m << "entry " << entry << " (" << value << ") is outside the mapping";
+      break;
+    default:
+      m << "error " << r[dev::kErrCode];
+  }
+  m << " [in " << name_of(kCallNames, std::size(kCallNames), r[dev::kErrCall]) << "]";
+  return m.str();
+}
+
+// ---------------------------------------------------------------- DevicePool
+
+DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t size, int64_t page_size,
+                       bool need_sort)
+    : control_(std::move(control)), slot_(slot), size_(size), num_pages_(0), page_(page_size), need_sort_(need_sort) {
+  if (page_size < 1) fail("page_size", "must be >= 1, got ", page_size);
+  if (size < page_size) fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
+  num_pages_ = size / page_size;
+  Executor& exec = control_->exec();
+  ring_ = exec.allocate(num_pages_);
+  staged_ = exec.allocate(num_pages_);
+  group_index_ = exec.allocate(num_pages_);
+  group_pages_ = exec.allocate(num_pages_);
+  list_ = exec.allocate(num_pages_);
+  selected_ = exec.allocate(num_pages_);
+  selected_count_ = exec.allocate(1);
+  state_ = reinterpret_cast<dev::StateWord*>(exec.allocate((num_pages_ + 2) / 2));
+  control_->attach(this);
+  clear();
+}
+
+dev::PoolView DevicePool::view() {
+  int64_t* ctl = control_->ctl(slot_);
+  return dev::PoolView{num_pages_, page_, ring_, staged_, group_index_, group_pages_, state_,
+                       ctl + parity_ * dev::kCtlWords, ctl + (1 - parity_) * dev::kCtlWords};
+}
+
+int64_t DevicePool::free_page_count() {
+  if (base_unknown_) control_->resolve_counts();
+  return free_count_;
+}
+
+int64_t DevicePool::staged_page_count() {
+  if (base_unknown_) control_->resolve_counts();
+  return staged_count_;
+}
+
+void DevicePool::count_readback_finished(const int64_t* record) {
+  if (!base_unknown_) return;
+  const int64_t* ctl = record + dev::kErrWords + 2 * dev::kCtlWords * slot_ + base_parity_ * dev::kCtlWords;
+  free_count_ += ctl[dev::kFreeCount];
+  staged_count_ += ctl[dev::kStagedCount];
+  base_unknown_ = false;
+}
+
+void DevicePool::clear() {
+  control_->exec().run(num_pages_ + 1, dev::ResetPoolOp{view(), control_->ctl(slot_)});
+  parity_ = 0;
+  free_count_ = num_pages_;
+  staged_count_ = 0;
+  base_unknown_ = false;
+  group_open_ = group_has_index_frees_ = false;
+  group_index_count_ = group_page_count_ = 0;
+}
+
+void DevicePool::merge_and_sort_free() {
+  if (staged_page_count() == 0) return;
+  Executor& exec = control_->exec();
+  exec.select_pages(state_, num_pages_, dev::kFree, dev::kStaged, selected_, selected_count_);
+  exec.run(num_pages_, dev::RebuildFreeListOp{view(), selected_, selected_count_});
+  flip();
+  free_count_ += staged_count_;
+  staged_count_ = 0;
+}
+
+void DevicePool::merge_before_extend(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size) {
+  const int64_t low_mark = token_mode() ? need_pages : extend_num_tokens / page_.size + batch_size + 1;
+  if (low_mark > free_page_count()) merge_and_sort_free();
+}
+
+void DevicePool::merge_before_alloc(int64_t need_pages) {
+  if (need_pages > free_page_count()) merge_and_sort_free();
+}
+
+bool DevicePool::allocate(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, int64_t num_tokens,
+                          int64_t need, DeviceCall call, const std::function<void()>& merge, OutBuffer& out) {
+  Executor& exec = control_->exec();
+  const dev::BatchView words{exec.upload(batch_words(batch, page_)), batch.size()};
+  const auto check_last_loc = [&] {
+    const dev::PoolView pool = view();
+    return dev::LastLocCheck{pool, false, pool, nullptr, last_loc_size > 0 ? last_loc : nullptr,
+                             control_->origin(call, kArgLastLoc)};
+  };
+  if (control_->debug()) {
+    exec.run(batch.size(), dev::ValidateBatchOp{words, check_last_loc()});
+    control_->check_now([] {});
+  }
+  merge();
+  if (need > free_page_count()) return false;
+  int64_t* slots = out.get(num_tokens);
+  if (num_tokens > 0) {
+    exec.run(num_tokens, dev::AllocSlotsOp{words, check_last_loc(), need, 0, -1, nullptr, slots});
+    flip();
+  }
+  took(need);
+  return true;
+}
+
+bool DevicePool::alloc(int64_t need_size, OutBuffer& out) {
+  control_->check_usable();
+  if (need_size < 0) fail("need_size", "is negative (", need_size, ")");
+  if (page_.offset(need_size) != 0) fail("need_size", need_size, " is not a multiple of the page size ", page_.size);
+  const int64_t need_pages = page_.page(need_size);
+  const int64_t zero = 0;
+  return allocate(Batch{Span(&zero, 1), Span(&need_size, 1), Span(), false}, nullptr, 0, need_size, need_pages,
+                  kCallAlloc, [&] { merge_before_alloc(need_pages); }, out);
+}
+
+bool DevicePool::alloc_extend(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
+                              int64_t extend_num_tokens, int64_t num_new_pages, OutBuffer& out) {
+  control_->check_usable();
+  const int64_t need = check_batch_lengths(batch, last_loc_size, extend_num_tokens, page_);
+  if (num_new_pages >= 0 && num_new_pages != need)
+    fail("num_new_pages", "is ", num_new_pages, " but the lengths need ", need, " new pages");
+  return allocate(batch, last_loc, last_loc_size, extend_num_tokens, need, kCallAllocExtend,
+                  [&] { merge_before_extend(need, extend_num_tokens, batch.size()); }, out);
+}
+
+bool DevicePool::alloc_decode(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, OutBuffer& out) {
+  control_->check_usable();
+  const int64_t need = check_batch_lengths(batch, last_loc_size, -1, page_);
+  return allocate(batch, last_loc, last_loc_size, batch.size(), need, kCallAllocDecode,
+                  [&] { merge_before_alloc(batch.size()); }, out);
+}
+
+void DevicePool::check_page_count(const char* arg, int64_t pages) const {
+  if (pages > num_pages_)
+    fail(arg, "names ", pages, " pages to free but the pool has ", num_pages_, ", so some page is freed twice");
+}
+
+void DevicePool::claim_slots(const int64_t* indices, int64_t n, const dev::Origin& origin) {
+  if (token_mode()) check_page_count("indices", n);
+  if (n == 0) return;
+  control_->exec().run(n, dev::ClaimOp{view(), indices, dev::ClaimSource::kSlot, !token_mode(),
+                                       token_mode() ? list_ : nullptr, origin});
+}
+
+void DevicePool::claim_segment(const int64_t* indices, int64_t n, int64_t start_pos, const dev::Origin& origin) {
+  check_segment_start(start_pos, page_);
+  const int64_t reps = page_.pages_for(n);
+  check_page_count("indices", reps);
+  if (reps == 0) return;
+  control_->exec().run(reps, dev::ClaimOp{view(), indices, dev::ClaimSource::kSegmentRep, false, list_, origin});
+}
+
+void DevicePool::undo_claims() {
+  control_->exec().run(num_pages_, dev::RestateOp{state_, dev::kClaimed, dev::kHeld});
+}
+
+dev::Destination DevicePool::destination(bool by_index) const {
+  if (group_open_) return by_index || token_mode() ? dev::Destination::kGroupIndex : dev::Destination::kGroupPages;
+  if (need_sort_) return dev::Destination::kStaged;
+  return token_mode() ? dev::Destination::kAppend : dev::Destination::kPrepend;
+}
+
+void DevicePool::release(const int64_t* pages, int64_t n, const int64_t* device_count, int64_t launch,
+                         dev::Destination dest, int64_t reset_word) {
+  if (device_count == nullptr && n == 0) return;
+  control_->exec().run(std::max<int64_t>(std::min(launch, num_pages_), 1),
+                       dev::ReleaseOp{view(), pages, n, device_count, dest, reset_word});
+  flip();
+  if (reset_word == dev::kGroupIndexCount) group_index_count_ = 0;
+  if (reset_word == dev::kGroupPageCount) group_page_count_ = 0;
+  const bool counted = dest == dev::Destination::kPrepend || dest == dev::Destination::kAppend ||
+                       dest == dev::Destination::kStaged;
+  if (device_count != nullptr) {
+    if (counted) control_->start_count_readback();
+    return;
+  }
+  switch (dest) {
+    case dev::Destination::kPrepend:
+    case dev::Destination::kAppend:
+      free_count_ += n;
+      break;
+    case dev::Destination::kStaged:
+      staged_count_ += n;
+      break;
+    case dev::Destination::kGroupIndex:
+      group_index_count_ += n;
+      break;
+    case dev::Destination::kGroupPages:
+      group_page_count_ += n;
+      break;
+  }
+}
+
+void DevicePool::release_list(const int64_t* pages, int64_t n, bool by_index) {
+  release(pages, n, nullptr, n, destination(by_index), -1);
+}
+
+void DevicePool::finish(bool by_index, int64_t count) {
+  if (count == 0) return;
+  if (!by_index || token_mode()) return release_list(list_, count, by_index);
+  // free() of a page pool: the claimed pages in page order, however many there were.
+  if (group_open_) {
+    control_->exec().run(num_pages_, dev::RestateOp{state_, dev::kClaimed, dev::kQueuedByIndex});
+    group_has_index_frees_ = true;
+    return;
+  }
+  control_->exec().select_pages(state_, num_pages_, dev::kClaimed, dev::kClaimed, selected_, selected_count_);
+  release(selected_, 0, selected_count_, count, destination(true), -1);
+}
+
+void DevicePool::free(const int64_t* indices, int64_t n) {
+  control_->check_usable();
+  claim_slots(indices, n, control_->origin(kCallFree, kArgIndices));
+  control_->check_now([this] { undo_claims(); });
+  finish(true, n);
+}
+
+void DevicePool::free_page_ids(const int64_t* pages, int64_t n) {
+  control_->check_usable();
+  check_page_count("page_ids", n);
+  if (n == 0) return;
+  control_->exec().run(n, dev::ClaimOp{view(), pages, dev::ClaimSource::kPageId, false, list_,
+                                       control_->origin(kCallFreePageIds, kArgPageIds)});
+  control_->check_now([this] { undo_claims(); });
+  release_list(list_, n, false);
+}
+
+void DevicePool::free_segment(const int64_t* indices, int64_t n, int64_t start_pos) {
+  control_->check_usable();
+  claim_segment(indices, n, start_pos, control_->origin(kCallFreeSegment, kArgIndices));
+  control_->check_now([this] { undo_claims(); });
+  finish(false, page_.pages_for(n));
+}
+
+void DevicePool::free_group_begin() {
+  if (group_open_) fail("free_group_begin", "a free group is already open (groups do not nest)");
+  group_open_ = true;
+  group_has_index_frees_ = false;
+}
+
+void DevicePool::free_group_end(PagePool::GroupOrder order) {
+  if (!group_open_) fail("free_group_end", "no free group is open");
+  group_open_ = false;
+  const auto by_index = [this] {
+    if (token_mode()) {
+      release(group_index_, group_index_count_, nullptr, group_index_count_, destination(true), dev::kGroupIndexCount);
+    } else if (group_has_index_frees_) {
+      control_->exec().select_pages(state_, num_pages_, dev::kQueuedByIndex, dev::kQueuedByIndex, selected_,
+                                    selected_count_);
+      release(selected_, 0, selected_count_, num_pages_, destination(true), -1);
+    }
+  };
+  const auto by_page = [this] {
+    release(group_pages_, group_page_count_, nullptr, group_page_count_, destination(false), dev::kGroupPageCount);
+  };
+  if (order == PagePool::GroupOrder::kPageIdsFirst) {
+    by_page();
+    by_index();
+  } else {
+    by_index();
+    by_page();
+  }
+  group_has_index_frees_ = false;
+}
+
+PagePool DevicePool::snapshot() {
+  Executor& exec = control_->exec();
+  int64_t ctl[dev::kCtlWords];
+  exec.copy_to_host(ctl, control_->ctl(slot_) + parity_ * dev::kCtlWords, dev::kCtlWords);
+  std::vector<int64_t> ring(static_cast<size_t>(num_pages_)), free_list(static_cast<size_t>(ctl[dev::kFreeCount]));
+  exec.copy_to_host(ring.data(), ring_, num_pages_);
+  for (int64_t k = 0; k < ctl[dev::kFreeCount]; ++k) free_list[k] = ring[(ctl[dev::kHead] + k) % num_pages_];
+  const auto download = [&](const int64_t* src, int64_t n) {
+    std::vector<int64_t> v(static_cast<size_t>(n));
+    exec.copy_to_host(v.data(), src, n);
+    return v;
+  };
+  std::vector<int64_t> state_words((num_pages_ + 2) / 2);
+  exec.copy_to_host(state_words.data(), reinterpret_cast<const int64_t*>(state_), (num_pages_ + 2) / 2);
+  const dev::StateWord* words = reinterpret_cast<const dev::StateWord*>(state_words.data());
+  std::vector<PageState> state(static_cast<size_t>(num_pages_ + 1));
+  std::vector<int64_t> queued_by_index =
+      token_mode() ? download(group_index_, ctl[dev::kGroupIndexCount]) : std::vector<int64_t>();
+  for (int64_t p = 0; p <= num_pages_; ++p) {
+    state[p] = static_cast<PageState>(words[p]);
+    if (!token_mode() && words[p] == dev::kQueuedByIndex) queued_by_index.push_back(p);
+  }
+  return PagePool::from_parts(size_, page_.size, need_sort_, free_list, download(staged_, ctl[dev::kStagedCount]),
+                              std::move(state), group_open_, std::move(queued_by_index),
+                              download(group_pages_, ctl[dev::kGroupPageCount]));
+}
+
+void DevicePool::restore(const PagePool& pool) {
+  Executor& exec = control_->exec();
+  const std::vector<int64_t> free_list = pool.free_pages();
+  exec.copy_to_device(ring_, free_list.data(), static_cast<int64_t>(free_list.size()));
+  const std::vector<int64_t>& staged = pool.staged_pages();
+  exec.copy_to_device(staged_, staged.data(), static_cast<int64_t>(staged.size()));
+  const std::vector<int64_t>& by_index = pool.group_index_pages();
+  if (token_mode()) exec.copy_to_device(group_index_, by_index.data(), static_cast<int64_t>(by_index.size()));
+  const std::vector<int64_t>& by_page = pool.group_page_ids();
+  exec.copy_to_device(group_pages_, by_page.data(), static_cast<int64_t>(by_page.size()));
+  std::vector<int64_t> state_words((num_pages_ + 2) / 2, 0);
+  dev::StateWord* words = reinterpret_cast<dev::StateWord*>(state_words.data());
+  for (int64_t p = 0; p <= num_pages_; ++p) words[p] = dev::state_word(pool.state(p));
+  exec.copy_to_device(reinterpret_cast<int64_t*>(state_), state_words.data(), static_cast<int64_t>(state_words.size()));
+  int64_t ctl[dev::kCtlWords] = {};
+  ctl[dev::kFreeCount] = static_cast<int64_t>(free_list.size());
+  ctl[dev::kStagedCount] = static_cast<int64_t>(staged.size());
+  group_index_count_ = token_mode() ? static_cast<int64_t>(by_index.size()) : 0;
+  group_page_count_ = static_cast<int64_t>(by_page.size());
+  ctl[dev::kGroupIndexCount] = group_index_count_;
+  ctl[dev::kGroupPageCount] = group_page_count_;
+  exec.copy_to_device(control_->ctl(slot_), ctl, dev::kCtlWords);
+  parity_ = 0;
+  free_count_ = ctl[dev::kFreeCount];
+  staged_count_ = ctl[dev::kStagedCount];
+  base_unknown_ = false;
+  group_open_ = pool.in_free_group();
+  group_has_index_frees_ = !token_mode() && !by_index.empty();
+}
+
+// ---------------------------------------------------------------- DeviceHybridAllocator
+
+DeviceHybridAllocator::DeviceHybridAllocator(std::shared_ptr<Executor> executor, int64_t size, int64_t size_swa,
+                                             int64_t page_size, bool need_sort, bool debug, int64_t* mapping)
+    : page_(page_size),
+      control_(std::make_shared<DeviceControl>(std::move(executor), 2, debug)),
+      full_(std::make_shared<DevicePool>(control_, 0, size, page_size, need_sort)),
+      swa_(std::make_shared<DevicePool>(control_, 1, size_swa, page_size, need_sort)),
+      mapping_(mapping),
+      mapping_len_(HybridAllocator::mapping_size(size, page_size)) {
+  full_pages_ = control_->exec().allocate(full_->num_pages());
+  reset_mapping();
+}
+
+void DeviceHybridAllocator::reset_mapping() {
+  std::vector<int64_t> mapping(static_cast<size_t>(mapping_len_), 0);
+  mapping.back() = -1;  // last_loc == -1 translates to -1
+  control_->exec().copy_to_device(mapping_, mapping.data(), mapping_len_);
+}
+
+int64_t DeviceHybridAllocator::available_size() { return std::min(full_->available_size(), swa_->available_size()); }
+
+bool DeviceHybridAllocator::new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) {
+  return num_full_pages <= full_->available_pages() && num_swa_pages <= swa_->available_pages();
+}
+
+bool DeviceHybridAllocator::allocate(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
+                                     int64_t extend_num_tokens, int64_t swa_tail_len, DeviceCall call,
+                                     OutBuffer& out) {
+  control_->check_usable();
+  const int64_t bs = batch.size();
+  const int64_t need = check_batch_lengths(batch, last_loc_size, extend_num_tokens, page_);
+  const int64_t num_tokens = batch.decode ? bs : extend_num_tokens;
+  const bool tail = call == kCallAllocExtendSwaTail;
+  int64_t need_swa = need;
+  if (tail) {
+    if (bs != 1) fail("seq_lens", "alloc_extend_swa_tail takes one request, got ", bs);
+    if (swa_tail_len < 0 || swa_tail_len > extend_num_tokens)
+      fail("swa_tail_len", swa_tail_len, " is outside [0, extend_num_tokens = ", extend_num_tokens, "]");
+    need_swa = page_.pages_for(swa_tail_len);
+  }
+  Executor& exec = control_->exec();
+  const dev::BatchView words{exec.upload(batch_words(batch, page_)), bs};
+  const auto check_last_loc = [&] {
+    return dev::LastLocCheck{full_->view(), true, swa_->view(), mapping_, last_loc_size > 0 ? last_loc : nullptr,
+                             control_->origin(call, kArgLastLoc)};
+  };
+  if (control_->debug()) {  // a bad last_loc raises even where the pools are short, as on the CPU
+    exec.run(bs, dev::ValidateBatchOp{words, check_last_loc()});
+    control_->check_now([] {});
+  }
+  if (!new_pages_available(need, need_swa)) return false;
+  if (batch.decode) {
+    full_->merge_before_alloc(bs);
+    swa_->merge_before_alloc(bs);
+  } else if (call == kCallAlloc) {
+    full_->merge_before_alloc(need);
+    swa_->merge_before_alloc(need);
+  } else if (tail) {
+    full_->merge_before_extend(need, extend_num_tokens, 1);
+    if (swa_tail_len > 0) swa_->merge_before_extend(need_swa, swa_tail_len, 1);
+  } else {
+    full_->merge_before_extend(need, extend_num_tokens, bs);
+    swa_->merge_before_extend(need, extend_num_tokens, bs);
+  }
+  int64_t* slots = out.get(num_tokens);
+  if (num_tokens > 0) {
+    exec.run(num_tokens, dev::AllocSlotsOp{words, check_last_loc(), need, need_swa, tail ? extend_num_tokens - swa_tail_len : -1,
+                                           mapping_, slots});
+    full_->flip();
+    swa_->flip();
+  }
+  full_->took(need);
+  swa_->took(need_swa);
+  return true;
+}
+
+bool DeviceHybridAllocator::alloc(int64_t need_size, OutBuffer& out) {
+  if (need_size < 0) fail("need_size", "is negative (", need_size, ")");
+  if (page_.offset(need_size) != 0) fail("need_size", need_size, " is not a multiple of the page size ", page_.size);
+  const int64_t zero = 0;
+  return allocate(Batch{Span(&zero, 1), Span(&need_size, 1), Span(), false}, nullptr, 1, need_size, -1, kCallAlloc,
+                  out);
+}
+
+bool DeviceHybridAllocator::alloc_extend(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
+                                         int64_t extend_num_tokens, OutBuffer& out) {
+  return allocate(batch, last_loc, last_loc_size, extend_num_tokens, -1, kCallAllocExtend, out);
+}
+
+bool DeviceHybridAllocator::alloc_extend_swa_tail(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
+                                                  int64_t extend_num_tokens, int64_t swa_tail_len, OutBuffer& out) {
+  return allocate(batch, last_loc, last_loc_size, extend_num_tokens, swa_tail_len, kCallAllocExtendSwaTail, out);
+}
+
+bool DeviceHybridAllocator::alloc_decode(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
+                                         OutBuffer& out) {
+  return allocate(batch, last_loc, last_loc_size, -1, -1, kCallAllocDecode, out);
+}
+
+void DeviceHybridAllocator::translate(const int64_t* indices, int64_t n, int64_t* out) {
+  if (n == 0) return;
+  control_->exec().run(n, dev::TranslateOp{mapping_, mapping_len_, indices, out,
+                                           control_->origin(kCallTranslate, kArgKvIndices)});
+  control_->check_now([] {});
+}
+
+void DeviceHybridAllocator::set_mapping(const int64_t* full_indices, int64_t n, const int64_t* swa_indices,
+                                        int64_t n_swa) {
+  control_->check_usable();
+  if (swa_indices != nullptr && n_swa != n)
+    fail("swa_indices", "has ", n_swa, " entries for ", n, " full indices");
+  if (n == 0) return;
+  const DeviceCall call = swa_indices != nullptr ? kCallSetMapping : kCallClearMapping;
+  dev::SetMappingOp op{mapping_, full_->view(), swa_->view(), full_indices, swa_indices, true,
+                       control_->origin(call, kArgFullIndices), control_->origin(call, kArgSwaIndices)};
+  Executor& exec = control_->exec();
+  if (control_->debug()) {
+    exec.run(n, op);
+    control_->check_now([] {});
+  }
+  op.validate_only = false;
+  exec.run(n, op);
+}
+
+void DeviceHybridAllocator::clear_mapping(const int64_t* full_indices, int64_t n) {
+  set_mapping(full_indices, n, nullptr, n);
+}
+
+void DeviceHybridAllocator::claim_swa(const int64_t* input, int64_t count, bool slots_of_page,
+                                      const dev::Origin& origin) {
+  if (!slots_of_page) {
+    swa_->check_page_count("indices", count);
+    full_->check_page_count("indices", count);
+  }
+  if (count == 0) return;
+  control_->exec().run(count, dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, input, slots_of_page,
+                                              swa_->list(), full_pages_, origin});
+}
+
+void DeviceHybridAllocator::finish_swa(const int64_t* indices, int64_t n, int64_t reps, bool slots_of_page,
+                                       bool by_index) {
+  Executor& exec = control_->exec();
+  if (slots_of_page) {
+    if (n > 0) exec.run(n, dev::ClearMappedPagesOp{mapping_, page_, full_->num_pages(), indices, true});
+    swa_->finish(by_index, n * page_.size);
+  } else {
+    if (reps > 0) exec.run(reps, dev::ClearMappedPagesOp{mapping_, page_, full_->num_pages(), full_pages_, false});
+    swa_->finish(by_index, reps);
+  }
+}
+
+void DeviceHybridAllocator::free(const int64_t* indices, int64_t n) {
+  control_->check_usable();
+  const dev::Origin origin = control_->origin(kCallFree, kArgIndices);
+  const bool slots_of_page = page_.size > 1;  // page size 1: one slot is one page, freed as a segment
+  full_->claim_slots(indices, n, origin);
+  claim_swa(indices, n, slots_of_page, origin);
+  control_->check_now([this] { undo_claims(); });
+  finish_swa(indices, n, n, slots_of_page, true);
+  full_->finish(true, n);
+}
+
+void DeviceHybridAllocator::free_swa(const int64_t* indices, int64_t n) {
+  control_->check_usable();
+  const bool slots_of_page = page_.size > 1;
+  claim_swa(indices, n, slots_of_page, control_->origin(kCallFreeSwa, kArgIndices));
+  control_->check_now([this] { undo_claims(); });
+  finish_swa(indices, n, n, slots_of_page, true);
+}
+
+void DeviceHybridAllocator::free_full(const int64_t* indices, int64_t n) {
+  control_->check_usable();
+  full_->claim_slots(indices, n, control_->origin(kCallFreeFull, kArgIndices));
+  control_->check_now([this] { undo_claims(); });
+  full_->finish(true, n);
+}
+
+void DeviceHybridAllocator::free_segment(const int64_t* indices, int64_t n, int64_t start_pos) {
+  control_->check_usable();
+  const dev::Origin origin = control_->origin(kCallFreeSegment, kArgIndices);
+  full_->claim_segment(indices, n, start_pos, origin);
+  const int64_t reps = page_.pages_for(n);
+  claim_swa(indices, reps, false, origin);
+  control_->check_now([this] { undo_claims(); });
+  finish_swa(indices, n, reps, false, false);
+  full_->finish(false, reps);
+}
+
+void DeviceHybridAllocator::free_swa_segment(const int64_t* indices, int64_t n, int64_t start_pos) {
+  control_->check_usable();
+  check_segment_start(start_pos, page_);
+  const int64_t reps = page_.pages_for(n);
+  claim_swa(indices, reps, false, control_->origin(kCallFreeSwaSegment, kArgIndices));
+  control_->check_now([this] { undo_claims(); });
+  finish_swa(indices, n, reps, false, false);
+}
+
+void DeviceHybridAllocator::free_full_segment(const int64_t* indices, int64_t n, int64_t start_pos) {
+  control_->check_usable();
+  full_->claim_segment(indices, n, start_pos, control_->origin(kCallFreeFullSegment, kArgIndices));
+  control_->check_now([this] { undo_claims(); });
+  full_->finish(false, page_.pages_for(n));
+}
+
+void DeviceHybridAllocator::free_group_begin() {
+  if (full_->in_free_group() || swa_->in_free_group())
+    fail("free_group_begin", "a free group is already open (groups do not nest)");
+  full_->free_group_begin();
+  swa_->free_group_begin();
+}
+
+void DeviceHybridAllocator::free_group_end() {
+  if (!full_->in_free_group() || !swa_->in_free_group()) fail("free_group_end", "no free group is open");
+  swa_->free_group_end(PagePool::GroupOrder::kPageIdsFirst);
+  full_->free_group_end(PagePool::GroupOrder::kIndicesFirst);
+}
+
+void DeviceHybridAllocator::evict_out_of_window(const int32_t* req_to_token32, const int64_t* req_to_token64,
+                                                int64_t num_rows, int64_t row_len, Span rows, Span pre_lens,
+                                                Span evicted_seqlens, int64_t window, int64_t interval,
+                                                bool prefix_sharing, int64_t* new_evicted) {
+  control_->check_usable();
+  plan_window_eviction(num_rows, row_len, rows, pre_lens, evicted_seqlens, window, interval, prefix_sharing,
+                       page_.size, new_evicted);
+  std::vector<int64_t> page_begin{0}, row, evicted;
+  for (int64_t j = 0; j < rows.size; ++j) {
+    if (new_evicted[j] == evicted_seqlens[j]) continue;
+    page_begin.push_back(page_begin.back() + page_.page(new_evicted[j] - evicted_seqlens[j]));
+    row.push_back(rows[j]);
+    evicted.push_back(evicted_seqlens[j]);
+  }
+  const int64_t num_due = static_cast<int64_t>(row.size()), total = page_begin.back();
+  swa_->check_page_count("req_to_token", total);
+  full_->check_page_count("req_to_token", total);
+  if (total == 0) return;
+  // Each due request is released as one free_swa_segment call after another would be:
+  // successive prepends put the last request's pages first.
+  const bool prepend = !swa_->in_free_group() && !swa_->need_sort() && !swa_->token_mode();
+  std::vector<int64_t> due = page_begin;
+  due.insert(due.end(), row.begin(), row.end());
+  due.insert(due.end(), evicted.begin(), evicted.end());
+  for (int64_t j = 0; j < num_due; ++j) due.push_back(prepend ? total - page_begin[j + 1] : page_begin[j]);
+  Executor& exec = control_->exec();
+  const int64_t* due_device = exec.upload(due);
+  exec.run(total, dev::ClaimEvictedOp{full_->view(), swa_->view(), mapping_, req_to_token32, req_to_token64, row_len,
+                                      due_device, num_due, swa_->list(), full_pages_,
+                                      control_->origin(kCallEvict, kArgReqToToken)});
+  control_->check_now([this] { undo_claims(); });
+  exec.run(total, dev::ClearMappedPagesOp{mapping_, page_, full_->num_pages(), full_pages_, false});
+  swa_->release_list(swa_->list(), total, false);
+}
+
+void DeviceHybridAllocator::clear() {
+  full_->clear();
+  swa_->clear();
+  reset_mapping();
+  control_->reset();
+}
+
+HybridAllocator::State DeviceHybridAllocator::backup_state() {
+  control_->raise_found_errors();
+  std::vector<int64_t> mapping(static_cast<size_t>(mapping_len_));
+  control_->exec().copy_to_host(mapping.data(), mapping_, mapping_len_);
+  return HybridAllocator::State{full_->snapshot(), swa_->snapshot(), std::move(mapping)};
+}
+
+void DeviceHybridAllocator::restore_state(const HybridAllocator::State& state) {
+  if (static_cast<int64_t>(state.mapping.size()) != mapping_len_ || state.full.size() != full_->size() ||
+      state.swa.size() != swa_->size() || state.full.page_size() != page_.size)
+    fail("state", "was taken from an allocator of another shape");
+  full_->restore(state.full);
+  swa_->restore(state.swa);
+  control_->exec().copy_to_device(mapping_, state.mapping.data(), mapping_len_);
+  control_->reset();
+}
+
+void DeviceHybridAllocator::check_invariants() {
+  const HybridAllocator::State state = backup_state();
+  HybridAllocator::check_invariants(state.full, state.swa, state.mapping.data(), mapping_len_);
+}
+
+std::string DeviceHybridAllocator::debug_string() {
+  const HybridAllocator::State state = backup_state();
+  return "full: " + state.full.debug_string() + "\nswa: " + state.swa.debug_string();
+}
+
+}  // namespace swa

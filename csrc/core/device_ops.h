@@ -1,0 +1,526 @@
+// The per-element bodies of the device allocator's kernels. Each op is a plain struct
+// of raw pointers whose operator()(i) does element i, so one definition runs as a CUDA
+// kernel (csrc/cuda/kernels.cu) and element by element on the CPU (HostExecutor), where
+// the tests replay every trace through it. Ops never read memory out of bounds: a bad
+// value is reported into the error record and its element does nothing else.
+#pragma once
+
+#include <cstdint>
+
+#include "rules.h"
+
+namespace swa {
+namespace dev {
+
+using StateWord = int32_t;  // one PageState per page, widened for atomicCAS
+constexpr StateWord state_word(PageState s) { return static_cast<StateWord>(s); }
+constexpr StateWord kHeld = state_word(PageState::kHeld);
+constexpr StateWord kFree = state_word(PageState::kFree);
+constexpr StateWord kStaged = state_word(PageState::kStaged);
+constexpr StateWord kQueuedByIndex = state_word(PageState::kQueuedByIndex);
+constexpr StateWord kQueuedByPage = state_word(PageState::kQueuedByPage);
+constexpr StateWord kClaimed = state_word(PageState::kReleasing);
+
+SWA_HD StateWord compare_and_swap(StateWord* word, StateWord expected, StateWord desired) {
+#if defined(__CUDA_ARCH__)
+  return atomicCAS(reinterpret_cast<int*>(word), expected, desired);
+#else
+  const StateWord old = *word;
+  if (old == expected) *word = desired;
+  return old;
+#endif
+}
+
+// Counters of one pool. Each pool keeps two copies: an op that changes them reads one
+// and writes the other (element 0 writes), so no element reads a half-updated copy;
+// the host flips which copy is current.
+enum CtlWord : int64_t { kHead, kFreeCount, kStagedCount, kGroupIndexCount, kGroupPageCount, kCtlWords = 8 };
+
+// The first error an op meets: what, in which call, which argument, entry and value.
+enum ErrorWord : int64_t { kErrCode, kErrCall, kErrArg, kErrEntry, kErrValue, kErrWords = 8 };
+enum ErrorCode : int64_t {
+  kNoError,
+  kSlotOutOfPool,      // value: the slot
+  kPageIdOutOfPool,    // value: the page id
+  kAlreadyFree,        // value: the page
+  kQueuedInGroup,      // value: the page
+  kRepeatedInCall,     // value: the page
+  kUnmapped,           // value: the full slot
+  kLastLocNotEmpty,    // value: last_loc of a request without a prefix (must be -1)
+  kLastLocOutOfPool,   // value: last_loc; kErrEntry: the request
+  kLastLocOffset,      // value: last_loc
+  kLastLocNotHeld,     // value: last_loc
+  kSwaContinuation,    // value: last_loc
+  kTranslateRange,     // value: the index
+};
+
+SWA_HD void report(int64_t* error, int64_t code, int64_t call, int64_t arg, int64_t entry, int64_t value) {
+#if defined(__CUDA_ARCH__)
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(error), 0ull, static_cast<unsigned long long>(code)) != 0ull)
+    return;
+#else
+  if (error[kErrCode] != kNoError) return;
+  error[kErrCode] = code;
+#endif
+  error[kErrCall] = call;
+  error[kErrArg] = arg;
+  error[kErrEntry] = entry;
+  error[kErrValue] = value;
+}
+
+// Where the call that reports is and which argument it blames.
+struct Origin {
+  int64_t* error;
+  int64_t call;
+  int64_t arg;
+  SWA_HD void fail(int64_t code, int64_t entry, int64_t value) const { report(error, code, call, arg, entry, value); }
+};
+
+// One pool's device arrays, seen from an op with the counter copy it reads (ctl_in)
+// and the one it writes (ctl_out).
+struct PoolView {
+  int64_t num_pages;
+  PageGeometry page;
+  int64_t* ring;         // the free list: ring[head .. head + free_count) modulo num_pages
+  int64_t* staged;       // need_sort staging, in release order
+  int64_t* group_index;  // token pool: the open group's free() pages, in call order
+  int64_t* group_pages;  // the open group's pages freed by id, in call order
+  StateWord* state;      // [num_pages + 1]
+  const int64_t* ctl_in;
+  int64_t* ctl_out;
+
+  // Ring positions the ops form stay within (-num_pages, 2 * num_pages).
+  SWA_HD int64_t wrap(int64_t pos) const {
+    return pos >= num_pages ? pos - num_pages : pos < 0 ? pos + num_pages : pos;
+  }
+  SWA_HD int64_t page_at(int64_t k) const { return ring[wrap(ctl_in[kHead] + k)]; }
+  SWA_HD bool holds_slot(int64_t slot) const { return slot_in_pool(slot, page, num_pages); }
+  SWA_HD bool holds_page(int64_t p) const { return p >= 1 && p <= num_pages; }
+  SWA_HD PageState state_of(int64_t p) const { return static_cast<PageState>(state[p]); }
+  SWA_HD void copy_ctl() const {
+    for (int64_t w = 0; w < kCtlWords; ++w) ctl_out[w] = ctl_in[w];
+  }
+  // Takes the first n pages of the free list (their states are set by the op).
+  SWA_HD void take_ctl(int64_t n) const {
+    copy_ctl();
+    ctl_out[kHead] = wrap(ctl_in[kHead] + n);
+    ctl_out[kFreeCount] = ctl_in[kFreeCount] - n;
+  }
+};
+
+// Index of the request that element i belongs to: begin[j] <= i < begin[j + 1].
+SWA_HD int64_t find_request(const int64_t* begin, int64_t count, int64_t i) {
+  int64_t lo = 0, hi = count;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (begin[mid] <= i) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// A batch as the host lays it out for the device: token_begin [B + 1], then page_begin,
+// prefix_lens and seq_lens [B each]; one upload per call.
+struct BatchView {
+  const int64_t* words;
+  int64_t size;
+  SWA_HD int64_t token_begin(int64_t j) const { return words[j]; }
+  SWA_HD int64_t page_begin(int64_t j) const { return words[size + 1 + j]; }
+  SWA_HD int64_t prefix(int64_t j) const { return words[2 * size + 1 + j]; }
+  SWA_HD int64_t seq(int64_t j) const { return words[3 * size + 1 + j]; }
+  static int64_t words_for(int64_t batch_size) { return 4 * batch_size + 1; }
+};
+
+// The checks of a request's last_loc that need its value (and, for a hybrid allocator,
+// its mapped SWA slot): reports and returns false when one fails.
+struct LastLocCheck {
+  PoolView full;
+  bool hybrid;
+  PoolView swa;
+  const int64_t* mapping;
+  const int64_t* last_loc;  // null when no request has a prefix
+  Origin origin;
+
+  SWA_HD bool ok(const BatchView& batch, int64_t j, bool report_fault) const {
+    const int64_t prefix = batch.prefix(j);
+    if (prefix == 0) {
+      if (last_loc == nullptr || last_loc[j] == -1) return true;
+      if (report_fault) origin.fail(kLastLocNotEmpty, j, last_loc[j]);
+      return false;
+    }
+    const int64_t last = last_loc[j];
+    const auto full_state = [this](int64_t p) { return full.state_of(p); };
+    const LastLocFault fault = last_loc_fault(last, prefix, full.page, full.num_pages, full_state);
+    if (fault != LastLocFault::kNone) {
+      if (report_fault) {
+        const int64_t code = fault == LastLocFault::kOutOfPool ? kLastLocOutOfPool
+                             : fault == LastLocFault::kWrongOffset ? kLastLocOffset
+                                                                   : kLastLocNotHeld;
+        origin.fail(code, j, last);
+      }
+      return false;
+    }
+    if (!hybrid || !continues_partial_page(prefix, batch.seq(j), full.page)) return true;
+    const auto swa_state = [this](int64_t p) { return swa.state_of(p); };
+    if (swa_continuation_ok(last, mapping[last], swa.page, swa.num_pages, swa_state)) return true;
+    if (report_fault) origin.fail(kSwaContinuation, j, last);
+    return false;
+  }
+};
+
+// Debug mode's pass before an allocation: one element per request, changes nothing.
+struct ValidateBatchOp {
+  BatchView batch;
+  LastLocCheck check;
+  SWA_HD void operator()(int64_t j) const { check.ok(batch, j, true); }
+};
+
+// alloc / alloc_extend / alloc_decode (and the SWA tail) in one pass, one element per
+// new token: the full slot (extend_slot over the full free list), for a hybrid
+// allocator the SWA slot and the mapping entry, and the taken pages marked held.
+struct AllocSlotsOp {
+  BatchView batch;
+  LastLocCheck check;  // check.full and check.swa are the pools written
+  int64_t need_full, need_swa;
+  // >= 0: the SWA tail of one request; its first swa_head_len new tokens get no SWA slot
+  // and the rest fill fresh SWA pages.
+  int64_t swa_head_len;
+  int64_t* mapping;
+  int64_t* out;
+
+  SWA_HD void operator()(int64_t i) const {
+    const PoolView& full = check.full;
+    const PoolView& swa = check.swa;
+    if (i == 0) {
+      full.take_ctl(need_full);
+      if (check.hybrid) swa.take_ctl(need_swa);
+    }
+    const int64_t j = find_request(batch.words, batch.size, i);
+    const int64_t t = i - batch.token_begin(j), prefix = batch.prefix(j), seq = batch.seq(j);
+    if (!check.ok(batch, j, t == 0)) {
+      out[i] = 0;
+      return;
+    }
+    const int64_t last = prefix > 0 ? check.last_loc[j] : -1;
+    const int64_t first_page = batch.page_begin(j);
+    const auto full_page_at = [&](int64_t k) { return full.page_at(first_page + k); };
+    const int64_t full_slot = extend_slot(t, prefix, seq, last, full.page, full_page_at);
+    out[i] = full_slot;
+    // A new page's first token is the only slot at offset 0 (a continued page never is).
+    if (full.page.offset(full_slot) == 0) full.state[full.page.page(full_slot)] = kHeld;
+    if (!check.hybrid) return;
+    int64_t swa_slot = 0;
+    if (swa_head_len < 0) {
+      const int64_t swa_last = last < 0 ? -1 : mapping[last];
+      const auto swa_page_at = [&](int64_t k) { return swa.page_at(first_page + k); };
+      swa_slot = extend_slot(t, prefix, seq, swa_last, swa.page, swa_page_at);
+    } else if (t >= swa_head_len) {
+      const auto swa_page_at = [&](int64_t k) { return swa.page_at(k); };
+      swa_slot = extend_slot(t - swa_head_len, 0, seq - prefix - swa_head_len, -1, swa.page, swa_page_at);
+    }
+    mapping[full_slot] = swa_slot;
+    if (swa_slot > 0 && swa.page.offset(swa_slot) == 0) swa.state[swa.page.page(swa_slot)] = kHeld;
+  }
+};
+
+// How an input names the pages a free claims.
+enum class ClaimSource : int32_t {
+  kSlot,        // input[i] is a slot (free, free_full)
+  kSegmentRep,  // input[i * page_size] stands for its page (*_segment)
+  kPageId,      // input[i] is a page id (free_page_ids)
+};
+
+// Marks a page claimed by the call in progress, or reports why it cannot be freed.
+SWA_HD bool claim_page(const PoolView& pool, int64_t p, bool repeat_ok, const Origin& origin, int64_t entry) {
+  const StateWord old = compare_and_swap(&pool.state[p], kHeld, kClaimed);
+  if (old == kHeld || (old == kClaimed && repeat_ok)) return old == kHeld;
+  const int64_t code = old == kFree || old == kStaged ? kAlreadyFree
+                       : old == kQueuedByIndex || old == kQueuedByPage ? kQueuedInGroup
+                                                                       : kRepeatedInCall;
+  origin.fail(code, entry, p);
+  return false;
+}
+
+// The pages a free names in one pool: claimed, and for ordered releases written to
+// list[i] in input order.
+struct ClaimOp {
+  PoolView pool;
+  const int64_t* input;
+  ClaimSource source;
+  bool repeat_ok;  // free() of a page pool: several slots of one page are one free
+  int64_t* list;   // null when the release order comes from a scan of the states
+  Origin origin;
+
+  SWA_HD void operator()(int64_t i) const {
+    int64_t p;
+    if (source == ClaimSource::kPageId) {
+      p = input[i];
+      if (!pool.holds_page(p)) return origin.fail(kPageIdOutOfPool, i, p);
+    } else {
+      const int64_t entry = source == ClaimSource::kSegmentRep ? i * pool.page.size : i;
+      const int64_t slot = input[entry];
+      if (!pool.holds_slot(slot)) return origin.fail(kSlotOutOfPool, entry, slot);
+      p = pool.page.page(slot);
+    }
+    const bool claimed = claim_page(pool, p, repeat_ok, origin, i);
+    if (list != nullptr) list[i] = claimed ? p : 0;
+  }
+};
+
+// Claims the SWA page mapped from one full slot standing for its page; notes the
+// SWA page at swa_list[dest] and the full page at full_pages[dest].
+SWA_HD void claim_swa_of_rep(const PoolView& full, const PoolView& swa, const int64_t* mapping, int64_t full_slot,
+                             int64_t entry, int64_t dest, int64_t* swa_list, int64_t* full_pages, const Origin& origin) {
+  swa_list[dest] = 0;
+  full_pages[dest] = 0;
+  if (!full.holds_slot(full_slot)) return origin.fail(kSlotOutOfPool, entry, full_slot);
+  const int64_t swa_slot = mapping[full_slot];
+  if (swa_slot <= 0) return origin.fail(kUnmapped, entry, full_slot);
+  if (!swa.holds_slot(swa_slot)) return origin.fail(kSlotOutOfPool, entry, swa_slot);
+  const int64_t p = swa.page.page(swa_slot);
+  if (claim_page(swa, p, false, origin, entry)) {
+    swa_list[dest] = p;
+    full_pages[dest] = full.page.page(full_slot);
+  }
+}
+
+// The SWA half of a free: free_swa_segment's representatives (slots_of_page false), or
+// every slot of the pages of free_swa's indices (true; page size > 1).
+struct ClaimSwaOp {
+  PoolView full, swa;
+  const int64_t* mapping;
+  const int64_t* input;
+  bool slots_of_page;
+  int64_t* swa_list;    // representatives: the SWA pages in input order
+  int64_t* full_pages;  // representatives: their full pages, for clearing the mapping
+  Origin origin;
+
+  SWA_HD void operator()(int64_t i) const {
+    if (!slots_of_page) {
+      const int64_t entry = i * full.page.size;
+      return claim_swa_of_rep(full, swa, mapping, input[entry], entry, i, swa_list, full_pages, origin);
+    }
+    const int64_t slot = input[i];
+    if (!full.holds_slot(slot)) return origin.fail(kSlotOutOfPool, i, slot);
+    const int64_t first = full.page.floor(slot);
+    for (int64_t s = first; s < first + full.page.size; ++s) {
+      const int64_t swa_slot = mapping[s];
+      if (swa_slot <= 0) continue;
+      if (!swa.holds_slot(swa_slot)) return origin.fail(kSlotOutOfPool, i, swa_slot);
+      claim_page(swa, swa.page.page(swa_slot), true, origin, i);
+    }
+  }
+};
+
+// Batched window eviction: element i is the u-th due page of due request j; its
+// representative is req_to_token[row_j, evicted_j + u * page_size]. Layout of `due`:
+// page_begin [D + 1], row, evicted, dest_begin [D each].
+struct ClaimEvictedOp {
+  PoolView full, swa;
+  const int64_t* mapping;
+  const int32_t* req_to_token32;  // one of the two is set
+  const int64_t* req_to_token64;
+  int64_t row_len;
+  const int64_t* due;
+  int64_t num_due;
+  int64_t* swa_list;
+  int64_t* full_pages;
+  Origin origin;
+
+  SWA_HD void operator()(int64_t i) const {
+    const int64_t j = find_request(due, num_due, i);
+    const int64_t u = i - due[j];
+    const int64_t row = due[num_due + 1 + j], evicted = due[2 * num_due + 1 + j], dest = due[3 * num_due + 1 + j] + u;
+    const int64_t at = row * row_len + evicted + u * full.page.size;
+    const int64_t full_slot = req_to_token32 != nullptr ? req_to_token32[at] : req_to_token64[at];
+    claim_swa_of_rep(full, swa, mapping, full_slot, j, dest, swa_list, full_pages, origin);
+  }
+};
+
+// Clears the mapping of whole full pages: given as page ids, or as slots in them.
+struct ClearMappedPagesOp {
+  int64_t* mapping;
+  PageGeometry page;
+  int64_t num_pages;
+  const int64_t* input;
+  bool input_is_slots;
+
+  SWA_HD void operator()(int64_t i) const {
+    const int64_t p = input_is_slots ? (slot_in_pool(input[i], page, num_pages) ? page.page(input[i]) : 0) : input[i];
+    if (p < 1 || p > num_pages) return;
+    for (int64_t s = p * page.size; s < (p + 1) * page.size; ++s) mapping[s] = 0;
+  }
+};
+
+// Changes every page in state `from` to `to`: undoing a rejected call's claims, or
+// queueing a free() in an open free group. One element per page id.
+struct RestateOp {
+  StateWord* state;
+  StateWord from, to;
+  SWA_HD void operator()(int64_t i) const {
+    if (state[i + 1] == from) state[i + 1] = to;
+  }
+};
+
+// Where released pages go.
+enum class Destination : int32_t {
+  kPrepend,     // page pool: the pages freed last are handed out first
+  kAppend,      // token pool
+  kStaged,      // need_sort
+  kGroupIndex,  // token pool, open free group: free() queue
+  kGroupPages,  // open free group: pages freed by id
+};
+
+// Puts n pages (n from the host, or from device memory) where they go, in list order,
+// and updates the counters. reset_word, when >= 0, is a group counter emptied here.
+struct ReleaseOp {
+  PoolView pool;
+  const int64_t* pages;
+  int64_t count;
+  const int64_t* device_count;  // overrides count when set
+  Destination dest;
+  int64_t reset_word;
+
+  SWA_HD void operator()(int64_t i) const {
+    const int64_t n = device_count != nullptr ? *device_count : count;
+    const int64_t* c = pool.ctl_in;
+    if (i == 0) {
+      pool.copy_ctl();
+      switch (dest) {
+        case Destination::kPrepend:
+          pool.ctl_out[kHead] = pool.wrap(c[kHead] - n);
+          pool.ctl_out[kFreeCount] = c[kFreeCount] + n;
+          break;
+        case Destination::kAppend:
+          pool.ctl_out[kFreeCount] = c[kFreeCount] + n;
+          break;
+        case Destination::kStaged:
+          pool.ctl_out[kStagedCount] = c[kStagedCount] + n;
+          break;
+        case Destination::kGroupIndex:
+          pool.ctl_out[kGroupIndexCount] = c[kGroupIndexCount] + n;
+          break;
+        case Destination::kGroupPages:
+          pool.ctl_out[kGroupPageCount] = c[kGroupPageCount] + n;
+          break;
+      }
+      if (reset_word >= 0) pool.ctl_out[reset_word] = 0;
+    }
+    if (i >= n) return;
+    const int64_t p = pages[i];
+    if (!pool.holds_page(p)) return;  // a rejected claim; its error is already reported
+    switch (dest) {
+      case Destination::kPrepend:
+        pool.ring[pool.wrap(c[kHead] - n + i)] = p;
+        pool.state[p] = kFree;
+        break;
+      case Destination::kAppend:
+        pool.ring[pool.wrap(c[kHead] + c[kFreeCount] + i)] = p;
+        pool.state[p] = kFree;
+        break;
+      case Destination::kStaged:
+        pool.staged[c[kStagedCount] + i] = p;
+        pool.state[p] = kStaged;
+        break;
+      case Destination::kGroupIndex:
+        pool.group_index[c[kGroupIndexCount] + i] = p;
+        pool.state[p] = kQueuedByIndex;
+        break;
+      case Destination::kGroupPages:
+        pool.group_pages[c[kGroupPageCount] + i] = p;
+        pool.state[p] = kQueuedByPage;
+        break;
+    }
+  }
+};
+
+// need_sort's merge: the free list becomes every free or staged page in id order
+// (`sorted`, *count of them, from a scan of the states).
+struct RebuildFreeListOp {
+  PoolView pool;
+  const int64_t* sorted;
+  const int64_t* count;
+  SWA_HD void operator()(int64_t i) const {
+    const int64_t n = *count;
+    if (i == 0) {
+      pool.copy_ctl();
+      pool.ctl_out[kHead] = 0;
+      pool.ctl_out[kFreeCount] = n;
+      pool.ctl_out[kStagedCount] = 0;
+    }
+    if (i >= n) return;
+    pool.ring[i] = sorted[i];
+    pool.state[sorted[i]] = kFree;
+  }
+};
+
+// A fresh pool: every page free in id order, page 0 held. One element per page id
+// 0..num_pages; writes counter copy 0.
+struct ResetPoolOp {
+  PoolView pool;
+  int64_t* ctl0;
+  SWA_HD void operator()(int64_t i) const {
+    if (i == 0) {
+      for (int64_t w = 0; w < kCtlWords; ++w) ctl0[w] = 0;
+      ctl0[kFreeCount] = pool.num_pages;
+      pool.state[0] = kHeld;
+      return;
+    }
+    pool.ring[i - 1] = i;
+    pool.state[i] = kFree;
+  }
+};
+
+// translate_loc_from_full_to_swa; -1 (a missing last_loc) reads the sentinel.
+struct TranslateOp {
+  const int64_t* mapping;
+  int64_t mapping_len;  // the sentinel is the last entry
+  const int64_t* input;
+  int64_t* out;
+  Origin origin;
+  SWA_HD void operator()(int64_t i) const {
+    const int64_t idx = input[i];
+    if (idx < -1 || idx >= mapping_len - 1) {
+      out[i] = 0;
+      return origin.fail(kTranslateRange, i, idx);
+    }
+    out[i] = idx < 0 ? mapping[mapping_len - 1] : mapping[idx];
+  }
+};
+
+// set_full_to_swa_mapping (swa_input set; 0 there clears) and clear_full_to_swa_mapping.
+// An entry is written only when its values are in range; validate_only writes none.
+struct SetMappingOp {
+  int64_t* mapping;
+  PoolView full, swa;
+  const int64_t* full_input;
+  const int64_t* swa_input;  // null: clear
+  bool validate_only;
+  Origin full_origin, swa_origin;
+  SWA_HD void operator()(int64_t i) const {
+    const int64_t f = full_input[i];
+    if (!full.holds_slot(f)) return full_origin.fail(kSlotOutOfPool, i, f);
+    const int64_t s = swa_input != nullptr ? swa_input[i] : 0;
+    if (s != 0 && !swa.holds_slot(s)) return swa_origin.fail(kSlotOutOfPool, i, s);
+    if (!validate_only) mapping[f] = s;
+  }
+};
+
+}  // namespace dev
+}  // namespace swa
+
+// Every op type, for declaring one launcher (or host loop) per op.
+#define SWA_DEVICE_OPS(X)  \
+  X(dev::ValidateBatchOp)  \
+  X(dev::AllocSlotsOp)     \
+  X(dev::ClaimOp)          \
+  X(dev::ClaimSwaOp)       \
+  X(dev::ClaimEvictedOp)   \
+  X(dev::ClearMappedPagesOp) \
+  X(dev::RestateOp)        \
+  X(dev::ReleaseOp)        \
+  X(dev::RebuildFreeListOp) \
+  X(dev::ResetPoolOp)      \
+  X(dev::TranslateOp)      \
+  X(dev::SetMappingOp)
+
