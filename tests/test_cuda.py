@@ -10,11 +10,15 @@
   DeferredError later, until clear().
 
 The golden-trace replays on CUDA are in test_golden.py (backend "cuda"). Every test
-here skips on a machine without a GPU or with a build without the CUDA kernels.
+runs twice: on the GPU (skipped without one, or with a build without the CUDA
+kernels) and with the device algorithm emulated on the CPU, which checks everything
+but the sync debug mode and the profiler's kernel counts.
 """
 from __future__ import annotations
 
+import contextlib
 import random
+import sys
 
 import pytest
 import torch
@@ -24,12 +28,44 @@ from cuda_support import cuda_skip_reason
 from swa_ext.reference import evict_step
 
 
-pytestmark = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
-
-# Where the allocator under test runs. ("cpu", "emulated") runs the same device
-# algorithm on the CPU, which is how the drivers below can be tried without a GPU.
+# Where the allocator under test runs, set per test by the `backend` fixture: "cuda"
+# (the kernels on a GPU; skipped without one), or "emulated" (the same device
+# algorithm on the CPU, so that everything here but the GPU-only checks also runs
+# on machines without a GPU).
 DEVICE = "cuda"
 KERNELS = "auto"
+
+
+@pytest.fixture(autouse=True, params=["emulated", "cuda"])
+def backend(request, monkeypatch):
+    if request.param == "cuda":
+        reason = cuda_skip_reason()
+        if reason:
+            pytest.skip(reason)
+        monkeypatch.setattr(sys.modules[__name__], "DEVICE", "cuda")
+        monkeypatch.setattr(sys.modules[__name__], "KERNELS", "auto")
+    else:
+        monkeypatch.setattr(sys.modules[__name__], "DEVICE", "cpu")
+        monkeypatch.setattr(sys.modules[__name__], "KERNELS", "emulated")
+    return request.param
+
+
+def gpu_only(backend):
+    if backend != "cuda":
+        pytest.skip("a GPU-only check (the sync debug mode, the profiler's kernel counts)")
+
+
+@contextlib.contextmanager
+def sync_debug_error():
+    """torch.cuda.set_sync_debug_mode("error") on a GPU; nothing to check on the CPU."""
+    if DEVICE != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def T(values):
@@ -245,11 +281,8 @@ def test_sync_free_calls(page_size, monkeypatch):
     alloc.available_size()  # no count read-back pending
     synchronize()
     waits = alloc.device_waits
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug_error():
         got = script.run(alloc, rtt)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert alloc.device_waits == waits, f"the hot-path calls waited {alloc.device_waits - waits} times for the GPU"
     alloc.check_device_errors()
 
@@ -321,7 +354,8 @@ def _profile(fn):
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_kernel_counts_with_profiler(page_size, monkeypatch):
+def test_kernel_counts_with_profiler(page_size, backend, monkeypatch):
+    gpu_only(backend)
     monkeypatch.delenv("SWA_EXT_DEBUG", raising=False)
     ps = page_size
     _, sanity, _ = _profile(lambda: torch.ones(8, device="cuda") * 2)
@@ -619,7 +653,7 @@ class Differential:
 def test_cuda_matches_cpu_differential(page_size, need_sort, monkeypatch):
     monkeypatch.delenv("SWA_EXT_DEBUG", raising=False)
     seed = 1000 * page_size + need_sort
-    counts = Differential(page_size, need_sort, seed).run(300)
+    counts = Differential(page_size, need_sort, seed, DEVICE, KERNELS).run(300)
     assert all(counts[op] > 0 for op in ("prefill", "decode", "finish", "group", "evict")), counts
 
 
@@ -690,4 +724,32 @@ def test_deferred_error_on_cuda(page_size, monkeypatch):
     out = alloc.alloc(ps)
     assert isinstance(out, torch.Tensor) and out.numel() == ps and out.device == alloc.device
     assert out.cpu().tolist() == list(range(ps, 2 * ps))
+    alloc.check_invariants()
+
+
+def test_host_side_refusal_launches_nothing(monkeypatch):
+    """A host-side check that fails after another passed: nothing was launched, nothing changed."""
+    monkeypatch.delenv("SWA_EXT_DEBUG", raising=False)
+    alloc = make_alloc(64, 8, 1)  # page size 1: the SWA pool holds 8 pages
+    row = _request(alloc, 8)
+    before = alloc.backup_state()
+    # 9 slots: fine for the full pool's count check, too many pages for the SWA pool's.
+    with pytest.raises(ValueError, match="freed twice"):
+        alloc.free(torch.cat([row, row[:1]]))
+    assert alloc.backup_state() == before
+    alloc.free(row)
+    assert (alloc.full_available_size(), alloc.swa_available_size()) == (64, 8)
+
+
+def test_pool_restore_keeps_the_other_pools_pending_count(monkeypatch):
+    """free() leaves a count read-back pending for both pools; restoring one pool must not lose the other's."""
+    monkeypatch.delenv("SWA_EXT_DEBUG", raising=False)
+    ps = 16
+    alloc = make_alloc(32 * ps, 16 * ps, ps)
+    row = _request(alloc, 3 * ps + 2)
+    alloc.free(row)  # page pool: the freed page count is known on the device only
+    swa_pool = alloc.swa_attn_allocator
+    swa_pool.restore_state(swa_pool.backup_state())
+    assert alloc.full_available_size() == 32 * ps
+    assert alloc.swa_available_size() == 16 * ps
     alloc.check_invariants()

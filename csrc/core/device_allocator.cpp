@@ -94,10 +94,15 @@ void DeviceControl::poison(const int64_t* record) {
 }
 
 void DeviceControl::reset() {
+  // The pools just reset ignore a pending read-back; any other pool still needs it.
+  if (readback_pending_) {
+    readback_pending_ = false;
+    const int64_t* record = executor_->finish_readback();
+    for (DevicePool* pool : pools_) pool->count_readback_finished(record);
+  }
   const int64_t zeros[dev::kErrWords] = {};
   executor_->copy_to_device(words_, zeros, dev::kErrWords);
   poisoned_.clear();
-  readback_pending_ = false;
 }
 
 std::string DeviceControl::describe(const int64_t* r) const {
@@ -593,12 +598,14 @@ void DeviceHybridAllocator::clear_mapping(const int64_t* full_indices, int64_t n
   set_mapping(full_indices, n, nullptr, n);
 }
 
+void DeviceHybridAllocator::check_swa_claim(int64_t count, bool slots_of_page) const {
+  if (slots_of_page) return;
+  swa_->check_page_count("indices", count);
+  full_->check_page_count("indices", count);
+}
+
 void DeviceHybridAllocator::claim_swa(const int64_t* input, int64_t count, bool slots_of_page,
                                       const dev::Origin& origin) {
-  if (!slots_of_page) {
-    swa_->check_page_count("indices", count);
-    full_->check_page_count("indices", count);
-  }
   if (count == 0) return;
   control_->exec().run(count, dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, input, slots_of_page,
                                               swa_->list(), full_pages_, origin});
@@ -620,6 +627,7 @@ void DeviceHybridAllocator::free(const int64_t* indices, int64_t n) {
   control_->check_usable();
   const dev::Origin origin = control_->origin(kCallFree, kArgIndices);
   const bool slots_of_page = page_.size > 1;  // page size 1: one slot is one page, freed as a segment
+  check_swa_claim(n, slots_of_page);  // every host-side check before the first launch
   full_->claim_slots(indices, n, origin);
   claim_swa(indices, n, slots_of_page, origin);
   control_->check_now([this] { undo_claims(); });
@@ -630,6 +638,7 @@ void DeviceHybridAllocator::free(const int64_t* indices, int64_t n) {
 void DeviceHybridAllocator::free_swa(const int64_t* indices, int64_t n) {
   control_->check_usable();
   const bool slots_of_page = page_.size > 1;
+  check_swa_claim(n, slots_of_page);
   claim_swa(indices, n, slots_of_page, control_->origin(kCallFreeSwa, kArgIndices));
   control_->check_now([this] { undo_claims(); });
   finish_swa(indices, n, n, slots_of_page, true);
@@ -645,8 +654,9 @@ void DeviceHybridAllocator::free_full(const int64_t* indices, int64_t n) {
 void DeviceHybridAllocator::free_segment(const int64_t* indices, int64_t n, int64_t start_pos) {
   control_->check_usable();
   const dev::Origin origin = control_->origin(kCallFreeSegment, kArgIndices);
-  full_->claim_segment(indices, n, start_pos, origin);
   const int64_t reps = page_.pages_for(n);
+  check_swa_claim(reps, false);  // every host-side check before the first launch
+  full_->claim_segment(indices, n, start_pos, origin);
   claim_swa(indices, reps, false, origin);
   control_->check_now([this] { undo_claims(); });
   finish_swa(indices, n, reps, false, false);
@@ -657,6 +667,7 @@ void DeviceHybridAllocator::free_swa_segment(const int64_t* indices, int64_t n, 
   control_->check_usable();
   check_segment_start(start_pos, page_);
   const int64_t reps = page_.pages_for(n);
+  check_swa_claim(reps, false);
   claim_swa(indices, reps, false, control_->origin(kCallFreeSwaSegment, kArgIndices));
   control_->check_now([this] { undo_claims(); });
   finish_swa(indices, n, reps, false, false);

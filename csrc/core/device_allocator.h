@@ -223,7 +223,9 @@ class DeviceHybridAllocator {
   void reset_mapping();
   bool allocate(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, int64_t extend_num_tokens,
                 int64_t swa_tail_len, DeviceCall call, OutBuffer& out);
-  // The SWA half of free() / free_swa(): claims (pages of slots, or representatives).
+  // The SWA half of free() / free_swa(): claims (pages of slots, or representatives);
+  // check_swa_claim does its host-side checks, before anything is launched.
+  void check_swa_claim(int64_t count, bool slots_of_page) const;
   void claim_swa(const int64_t* input, int64_t reps, bool slots_of_page, const dev::Origin& origin);
   void finish_swa(const int64_t* indices, int64_t n, int64_t reps, bool slots_of_page, bool by_index);
   void undo_claims() {
