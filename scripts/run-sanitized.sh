@@ -18,7 +18,9 @@ REGULAR_SO="$(ls swa_ext/_C*.so)"
 mkdir -p build
 cp "$REGULAR_SO" build/regular_C.so
 trap 'cp "$ROOT/build/regular_C.so" "$ROOT/$REGULAR_SO"' EXIT
-SWA_EXT_SANITIZE=1 MAX_JOBS="${MAX_JOBS:-2}" "$PY" setup.py -q build_ext --inplace \
+# --force: the regular build in place is newer than the sources, which would make
+# build_ext skip the extension as up to date.
+SWA_EXT_SANITIZE=1 MAX_JOBS="${MAX_JOBS:-2}" "$PY" setup.py -q build_ext --inplace --force \
   --build-temp "$ROOT/build/asan-temp" >/dev/null
 
 # Proof that the sanitized build is the one under test.

@@ -45,7 +45,6 @@ class DeviceControl {
   DeviceControl(std::shared_ptr<Executor> executor, int num_pools, bool debug);
   Executor& exec() { return *executor_; }
   bool debug() const { return debug_; }
-  int64_t* error() { return words_; }
   int64_t* ctl(int pool) { return words_ + dev::kErrWords + 2 * dev::kCtlWords * pool; }
   dev::Origin origin(DeviceCall call, DeviceArg arg) { return dev::Origin{words_, call, arg}; }
   void attach(DevicePool* pool) { pools_.push_back(pool); }
@@ -96,7 +95,6 @@ class DevicePool {
 
   int64_t size() const { return size_; }
   int64_t page_size() const { return page_.size; }
-  const PageGeometry& geometry() const { return page_; }
   int64_t num_pages() const { return num_pages_; }
   bool need_sort() const { return need_sort_; }
   bool token_mode() const { return page_.size == 1; }
@@ -180,7 +178,6 @@ class DeviceHybridAllocator {
   const std::shared_ptr<DevicePool>& full_ptr() const { return full_; }
   const std::shared_ptr<DevicePool>& swa_ptr() const { return swa_; }
   int64_t page_size() const { return page_.size; }
-  int64_t mapping_len() const { return mapping_len_; }
   DeviceControl& control() { return *control_; }
 
   int64_t available_size();

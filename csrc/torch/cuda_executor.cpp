@@ -30,6 +30,10 @@ class CudaExecutor : public Executor {
     readback_ = at::empty({kReadbackWords}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   }
 
+  // The pinned read-back buffer goes back to torch's host allocator, which does not
+  // know of our copy into it: let a copy in flight land first.
+  ~CudaExecutor() override { readback_done_.synchronize(); }
+
   int64_t* allocate(int64_t words) override {
     c10::cuda::CUDAGuard guard(device_);
     blocks_.push_back(at::zeros({std::max<int64_t>(words, 1)}, at::TensorOptions().dtype(at::kLong).device(device_)));
