@@ -12,8 +12,8 @@ import os
 if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
-from setuptools import setup  # noqa: E402  (before torch, so setuptools' build_ext is the one used)
 import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
