@@ -58,6 +58,7 @@ class HostExecutor : public Executor {
  private:
   std::vector<std::unique_ptr<int64_t[]>> blocks_;
   std::vector<int64_t> uploaded_, readback_;
+  bool descending_ = false;  // the order of the next launch's elements flips each time
 };
 
 }  // namespace swa

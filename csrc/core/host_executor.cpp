@@ -38,9 +38,17 @@ void HostExecutor::select_pages(const dev::StateWord* state, int64_t num_pages, 
   *count = n;
 }
 
-#define SWA_DEFINE_RUN(Op)                                  \
-  void HostExecutor::run(int64_t n, const Op& op) {         \
-    for (int64_t i = 0; i < n; ++i) op(i);                  \
+// A GPU runs an op's elements in no fixed order, so the host alternates between
+// ascending and descending order from one launch to the next: an op whose result
+// depends on the order of its elements then fails the emulated tests.
+#define SWA_DEFINE_RUN(Op)                                      \
+  void HostExecutor::run(int64_t n, const Op& op) {             \
+    descending_ = !descending_;                                 \
+    if (descending_) {                                          \
+      for (int64_t i = n - 1; i >= 0; --i) op(i);               \
+    } else {                                                    \
+      for (int64_t i = 0; i < n; ++i) op(i);                    \
+    }                                                           \
   }
 SWA_DEVICE_OPS(SWA_DEFINE_RUN)
 #undef SWA_DEFINE_RUN
