@@ -1,0 +1,124 @@
+// The device allocator's host side and ops, run by HostExecutor, against the CPU core.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "device_allocator.h"
+
+using namespace swa;
+using V = std::vector<int64_t>;
+
+namespace {
+
+// The same calls on the CPU core and on the device algorithm (emulated on the host).
+struct Pair {
+  V cpu_mapping, dev_mapping;
+  HybridAllocator cpu;
+  std::shared_ptr<HostExecutor> exec = std::make_shared<HostExecutor>();
+  DeviceHybridAllocator dev;
+  Pair(int64_t size, int64_t size_swa, int64_t ps, bool need_sort, bool debug = false)
+      : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, ps))),
+        dev_mapping(cpu_mapping.size()),
+        cpu(size, size_swa, ps, need_sort, cpu_mapping.data()),
+        dev(exec, size, size_swa, ps, need_sort, debug, dev_mapping.data()) {}
+
+  V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {
+    VectorOut a, b;
+    const Batch batch{prefix, seq, last, false};
+    const bool ok = cpu.alloc_extend(batch, ext, a);
+    EXPECT_EQ(ok, dev.alloc_extend(batch, last.data(), static_cast<int64_t>(last.size()), ext, b));
+    EXPECT_EQ(a.values, b.values);
+    return ok ? a.values : V{};
+  }
+  V decode(const V& seq, const V& last) {
+    VectorOut a, b;
+    const Batch batch{Span(), seq, last, true};
+    const bool ok = cpu.alloc_decode(batch, a);
+    EXPECT_EQ(ok, dev.alloc_decode(batch, last.data(), static_cast<int64_t>(last.size()), b));
+    EXPECT_EQ(a.values, b.values);
+    return ok ? a.values : V{};
+  }
+  void expect_same() {
+    EXPECT_EQ(cpu.available_size(), dev.available_size());
+    EXPECT_TRUE(cpu.backup_state() == dev.backup_state());
+    dev.check_invariants();
+  }
+};
+
+V slice(const V& v, size_t begin, size_t end) { return V(v.begin() + begin, v.begin() + end); }
+
+}  // namespace
+
+TEST(DeviceAllocator, LifecycleMatchesTheCpuCore) {
+  for (const bool need_sort : {false, true}) {
+    Pair p(40 * 16, 24 * 16, 16, need_sort);
+    const V slots = p.extend({0, 0, 0}, {37, 16, 5}, {-1, -1, -1}, 58);
+    ASSERT_EQ(slots.size(), 58u);
+    p.expect_same();
+    const V step = p.decode({38, 17, 6}, {slots[36], slots[52], slots[57]});
+    p.expect_same();
+    // Window eviction of the first request's first page, then its whole release.
+    p.cpu.free_swa_segment(slice(slots, 0, 16), 0);
+    p.dev.free_swa_segment(slots.data(), 16, 0);
+    p.expect_same();
+    p.cpu.free_group_begin();
+    p.dev.free_group_begin();
+    const V rest = slice(slots, 16, 37);
+    p.cpu.free_segment(rest, 16);
+    p.dev.free_segment(rest.data(), static_cast<int64_t>(rest.size()), 16);
+    const V second = slice(slots, 37, 53);
+    p.cpu.free(second);
+    p.dev.free(second.data(), static_cast<int64_t>(second.size()));
+    p.cpu.free_group_end();
+    p.dev.free_group_end();
+    p.expect_same();
+    p.cpu.free_full(slice(slots, 0, 16));
+    p.dev.free_full(slots.data(), 16);
+    // The last two requests (the first one's decode slot went with its segment).
+    V last = slice(slots, 53, 58);
+    last.push_back(step[1]);
+    last.push_back(step[2]);
+    p.cpu.free(last);
+    p.dev.free(last.data(), static_cast<int64_t>(last.size()));
+    p.expect_same();
+    EXPECT_EQ(p.dev.full().available_size(), 40 * 16);
+    EXPECT_EQ(p.dev.swa().available_size(), 24 * 16);
+  }
+}
+
+TEST(DeviceAllocator, AFreesCountIsReadBackOnceByTheNextCallThatNeedsIt) {
+  Pair p(32 * 16, 16 * 16, 16, false);
+  const V slots = p.extend({0}, {40}, {-1}, 40);
+  const int64_t waits = p.dev.control().waits();
+  p.dev.free(slots.data(), static_cast<int64_t>(slots.size()));  // 3 pages, known only to the device
+  EXPECT_EQ(p.dev.control().waits(), waits);
+  EXPECT_EQ(p.dev.available_size(), 16 * 16);
+  EXPECT_EQ(p.dev.control().waits(), waits + 1);
+  EXPECT_TRUE(p.dev.new_pages_available(32, 16));
+  EXPECT_EQ(p.dev.control().waits(), waits + 1);
+}
+
+TEST(DeviceAllocator, DebugModeRejectsADoubleFreeBeforeAnythingChanges) {
+  Pair p(32 * 4, 16 * 4, 4, false, /*debug=*/true);
+  const V slots = p.extend({0}, {10}, {-1}, 10);
+  p.dev.free_segment(slots.data(), 4, 0);
+  const HybridAllocator::State before = p.dev.backup_state();
+  EXPECT_THROW(p.dev.free_segment(slots.data(), 8, 0), ArgumentError);  // its first page is free already
+  EXPECT_TRUE(p.dev.backup_state() == before);
+  p.dev.check_invariants();
+}
+
+TEST(DeviceAllocator, WithoutDebugABadCallIsReportedLaterUntilClear) {
+  Pair p(32 * 4, 16 * 4, 4, false);
+  const V slots = p.extend({0}, {8}, {-1}, 8);
+  p.dev.free_segment(slots.data(), 8, 0);
+  p.dev.free_segment(slots.data(), 8, 0);  // double free: found by the ops, reported later
+  EXPECT_THROW(p.dev.control().raise_found_errors(), DeferredError);
+  VectorOut out;
+  EXPECT_THROW(p.dev.alloc(4, out), DeferredError);
+  p.dev.clear();
+  ASSERT_TRUE(p.dev.alloc(4, out));
+  EXPECT_EQ(out.values, (V{4, 5, 6, 7}));
+  p.dev.check_invariants();
+}
