@@ -753,3 +753,31 @@ def test_pool_restore_keeps_the_other_pools_pending_count(monkeypatch):
     assert alloc.full_available_size() == 32 * ps
     assert alloc.swa_available_size() == 16 * ps
     alloc.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_device_errors_read_as_the_cpu_errors(page_size, monkeypatch):
+    """SWA_EXT_DEBUG=1: a bad call's message is the CPU core's, followed by the call's name."""
+    monkeypatch.setenv("SWA_EXT_DEBUG", "1")
+    ps = page_size
+    cpu = make_alloc(32 * ps, 16 * ps, ps, "cpu", "auto")
+    dev = make_alloc(32 * ps, 16 * ps, ps)
+    rows = [_request(a, 2 * ps + 1) for a in (cpu, dev)]
+    for a, row in zip((cpu, dev), rows):
+        a.free_swa_segment(row[:ps], start_pos=0)
+        a.free_segment(row[ps:2 * ps], start_pos=ps)
+    row_h = rows[0].tolist()
+    seq_h = T([2 * ps + 2])
+    bad_calls = {
+        "alloc_decode": lambda a: a.alloc_decode(seq_h.to(a.device), seq_h, T([row_h[-1] + (2 if ps > 1 else 0) + ps]).to(a.device)),
+        "alloc_extend": lambda a: a.alloc_extend(T([0]).to(a.device), T([0]), T([1]).to(a.device), T([1]), T([ps]).to(a.device), 1),
+        "free_segment": lambda a: a.free_segment(T(row_h[ps:2 * ps]).to(a.device), start_pos=ps),
+        "free_swa_segment": lambda a: a.free_swa_segment(T(row_h[:ps]).to(a.device), start_pos=0),
+        "translate_loc_from_full_to_swa": lambda a: a.translate_loc_from_full_to_swa(T([10 ** 6]).to(a.device)),
+    }
+    for name, call in bad_calls.items():
+        with pytest.raises(ValueError) as cpu_error:
+            call(cpu)
+        with pytest.raises(ValueError) as dev_error:
+            call(dev)
+        assert str(dev_error.value) == f"{cpu_error.value} [in {name}]", name

@@ -60,12 +60,17 @@ void DeviceControl::start_count_readback() {
   readback_pending_ = true;
 }
 
-void DeviceControl::resolve_counts() {
-  if (!readback_pending_) return;
+const int64_t* DeviceControl::finish_pending_readback() {
+  if (!readback_pending_) return nullptr;
   readback_pending_ = false;
   const int64_t* record = executor_->finish_readback();
   for (DevicePool* pool : pools_) pool->count_readback_finished(record);
-  if (record[dev::kErrCode] != dev::kNoError) poison(record);
+  return record;
+}
+
+void DeviceControl::resolve_counts() {
+  const int64_t* record = finish_pending_readback();
+  if (record != nullptr && record[dev::kErrCode] != dev::kNoError) poison(describe(record));
   check_usable();
 }
 
@@ -73,82 +78,67 @@ std::string DeviceControl::take_error() {
   int64_t record[dev::kErrWords];
   executor_->copy_to_host(record, words_, dev::kErrWords);
   if (record[dev::kErrCode] == dev::kNoError) return {};
+  clear_error_record();
+  return describe(record);
+}
+
+void DeviceControl::clear_error_record() {
   const int64_t zeros[dev::kErrWords] = {};
   executor_->copy_to_device(words_, zeros, dev::kErrWords);
-  return describe(record);
 }
 
 void DeviceControl::raise_found_errors() {
   check_usable();
-  int64_t record[dev::kErrWords];
-  executor_->copy_to_host(record, words_, dev::kErrWords);
-  if (record[dev::kErrCode] == dev::kNoError) return;
-  poison(record);
+  const std::string message = take_error();
+  if (!message.empty()) poison(message);
   check_usable();
 }
 
-void DeviceControl::poison(const int64_t* record) {
-  poisoned_ = describe(record) +
+void DeviceControl::poison(const std::string& message) {
+  poisoned_ = message +
               " (found on the device after the call returned; the allocator refuses every call until clear() or "
               "restore_state(); SWA_EXT_DEBUG=1 checks each call before it changes anything)";
 }
 
 void DeviceControl::reset() {
-  // The pools just reset ignore a pending read-back; any other pool still needs it.
-  if (readback_pending_) {
-    readback_pending_ = false;
-    const int64_t* record = executor_->finish_readback();
-    for (DevicePool* pool : pools_) pool->count_readback_finished(record);
-  }
-  const int64_t zeros[dev::kErrWords] = {};
-  executor_->copy_to_device(words_, zeros, dev::kErrWords);
+  finish_pending_readback();  // the pools just reset ignore it; any other pool still needs it
+  clear_error_record();
   poisoned_.clear();
 }
 
 std::string DeviceControl::describe(const int64_t* r) const {
+  const int64_t entry = r[dev::kErrEntry], value = r[dev::kErrValue], detail = r[dev::kErrDetail];
+  const DevicePool& full = *pools_.front();  // last_loc always lies in the first pool
   std::ostringstream m;
-  const int64_t entry = r[dev::kErrEntry], value = r[dev::kErrValue];
-  m << name_of(kArgNames, std::size(kArgNames), r[dev::kErrArg]) << ": ";
   switch (r[dev::kErrCode]) {
-    case dev::kSlotOutOfPool:
-      m << "entry " << entry << ": index " << value << " is outside the pool's slots (page 0 is the padding page)";
-      break;
-    case dev::kPageIdOutOfPool:
-      m << "entry " << entry << ": page id " << value << " is outside the pool (page 0 is the padding page)";
-      break;
-    case dev::kAlreadyFree:
-      m << "page " << value << " is already free (double free)";
-      break;
-    case dev::kQueuedInGroup:
-      m << "page " << value << " is already freed in the open free group (double free)";
-      break;
-    case dev::kRepeatedInCall:
-      m << "page " << value << " is freed twice in one call";
-      break;
-    case dev::kUnmapped:
-      m << "full slot " << value << " has no SWA slot (already evicted or never mapped)";
-      break;
-    case dev::kLastLocNotEmpty:
-      m << "entry " << entry << " is " << value << " but the request has no prefix (expected -1)";
-      break;
-    case dev::kLastLocOutOfPool:
-      m << "entry " << entry << ": index " << value << " is outside the pool's slots (page 0 is the padding page)";
-      break;
-    case dev::kLastLocOffset:
-      m << "entry " << entry << " (" << value << ") is not where its prefix ends in its page";
-      break;
-    case dev::kLastLocNotHeld:
-      m << "entry " << entry << " (" << value << ") lies in a page which is not allocated";
+    case dev::kLastLocFault:
+      m << last_loc_fault_message(static_cast<LastLocFault>(r[dev::kErrKind]), entry, value, detail, full.geometry(),
+                                  full.num_pages());
       break;
     case dev::kSwaContinuation:
-      m << "entry " << entry << " (" << value << ") has no live SWA slot at the same page offset to continue its "
-        << "partial page (evicted?)";
+      m << swa_continuation_message(entry, value, detail);
       break;
     case dev::kTranslateRange:
-      m << "entry " << entry << " (" << value << ") is outside the mapping";
+      m << untranslatable_message(entry, value, detail);
       break;
     default:
-      m << "error " << r[dev::kErrCode];
+      m << name_of(kArgNames, std::size(kArgNames), r[dev::kErrArg]) << ": ";
+      switch (r[dev::kErrCode]) {
+        case dev::kSlotOutOfPool:
+          m << "entry " << entry << ": index " << value << " is outside the pool's slots (page 0 is the padding page)";
+          break;
+        case dev::kPageIdOutOfPool:
+          m << "entry " << entry << ": page id " << value << " is outside the pool (page 0 is the padding page)";
+          break;
+        case dev::kClaimRefused:
+          m << "page " << value << claim_refusal(static_cast<PageState>(detail));
+          break;
+        case dev::kUnmapped:
+          m << "full slot " << value << kUnmappedRefusal;
+          break;
+        default:
+          m << "error " << r[dev::kErrCode];
+      }
   }
   m << " [in " << name_of(kCallNames, std::size(kCallNames), r[dev::kErrCall]) << "]";
   return m.str();

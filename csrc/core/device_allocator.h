@@ -75,7 +75,10 @@ class DeviceControl {
 
  private:
   std::string describe(const int64_t* record) const;
-  void poison(const int64_t* record);
+  void poison(const std::string& message);
+  void clear_error_record();
+  // Waits for a pending read-back and hands its counts to the pools; null when none.
+  const int64_t* finish_pending_readback();
 
   std::shared_ptr<Executor> executor_;
   int num_pools_;
@@ -95,6 +98,7 @@ class DevicePool {
 
   int64_t size() const { return size_; }
   int64_t page_size() const { return page_.size; }
+  const PageGeometry& geometry() const { return page_; }
   int64_t num_pages() const { return num_pages_; }
   bool need_sort() const { return need_sort_; }
   bool token_mode() const { return page_.size == 1; }

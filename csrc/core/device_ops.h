@@ -36,25 +36,22 @@ SWA_HD StateWord compare_and_swap(StateWord* word, StateWord expected, StateWord
 // the host flips which copy is current.
 enum CtlWord : int64_t { kHead, kFreeCount, kStagedCount, kGroupIndexCount, kGroupPageCount, kCtlWords = 8 };
 
-// The first error an op meets: what, in which call, which argument, entry and value.
-enum ErrorWord : int64_t { kErrCode, kErrCall, kErrArg, kErrEntry, kErrValue, kErrWords = 8 };
+// The first error an op meets: what, in which call, which argument, entry, value and
+// what else the host needs to word it as the CPU core does.
+enum ErrorWord : int64_t { kErrCode, kErrCall, kErrArg, kErrEntry, kErrValue, kErrDetail, kErrKind, kErrWords = 8 };
 enum ErrorCode : int64_t {
   kNoError,
-  kSlotOutOfPool,      // value: the slot
-  kPageIdOutOfPool,    // value: the page id
-  kAlreadyFree,        // value: the page
-  kQueuedInGroup,      // value: the page
-  kRepeatedInCall,     // value: the page
-  kUnmapped,           // value: the full slot
-  kLastLocNotEmpty,    // value: last_loc of a request without a prefix (must be -1)
-  kLastLocOutOfPool,   // value: last_loc; kErrEntry: the request
-  kLastLocOffset,      // value: last_loc
-  kLastLocNotHeld,     // value: last_loc
-  kSwaContinuation,    // value: last_loc
-  kTranslateRange,     // value: the index
+  kSlotOutOfPool,     // value: the slot
+  kPageIdOutOfPool,   // value: the page id
+  kClaimRefused,      // value: the page; detail: its PageState
+  kUnmapped,          // value: the full slot
+  kLastLocFault,      // value: last_loc; detail: the prefix length; kind: the LastLocFault
+  kSwaContinuation,   // value: last_loc; detail: its mapped SWA slot
+  kTranslateRange,    // value: the slot; detail: the mapping's length
 };
 
-SWA_HD void report(int64_t* error, int64_t code, int64_t call, int64_t arg, int64_t entry, int64_t value) {
+SWA_HD void report(int64_t* error, int64_t code, int64_t call, int64_t arg, int64_t entry, int64_t value,
+                   int64_t detail, int64_t kind) {
 #if defined(__CUDA_ARCH__)
   if (atomicCAS(reinterpret_cast<unsigned long long*>(error), 0ull, static_cast<unsigned long long>(code)) != 0ull)
     return;
@@ -66,6 +63,8 @@ SWA_HD void report(int64_t* error, int64_t code, int64_t call, int64_t arg, int6
   error[kErrArg] = arg;
   error[kErrEntry] = entry;
   error[kErrValue] = value;
+  error[kErrDetail] = detail;
+  error[kErrKind] = kind;
 }
 
 // Where the call that reports is and which argument it blames.
@@ -73,7 +72,9 @@ struct Origin {
   int64_t* error;
   int64_t call;
   int64_t arg;
-  SWA_HD void fail(int64_t code, int64_t entry, int64_t value) const { report(error, code, call, arg, entry, value); }
+  SWA_HD void fail(int64_t code, int64_t entry, int64_t value, int64_t detail = 0, int64_t kind = 0) const {
+    report(error, code, call, arg, entry, value, detail, kind);
+  }
 };
 
 // One pool's device arrays, seen from an op with the counter copy it reads (ctl_in)
@@ -95,7 +96,7 @@ struct PoolView {
   }
   SWA_HD int64_t page_at(int64_t k) const { return ring[wrap(ctl_in[kHead] + k)]; }
   SWA_HD bool holds_slot(int64_t slot) const { return slot_in_pool(slot, page, num_pages); }
-  SWA_HD bool holds_page(int64_t p) const { return p >= 1 && p <= num_pages; }
+  SWA_HD bool holds_page(int64_t p) const { return page_id_in_pool(p, num_pages); }
   SWA_HD PageState state_of(int64_t p) const { return static_cast<PageState>(state[p]); }
   SWA_HD void copy_ctl() const {
     for (int64_t w = 0; w < kCtlWords; ++w) ctl_out[w] = ctl_in[w];
@@ -143,27 +144,18 @@ struct LastLocCheck {
 
   SWA_HD bool ok(const BatchView& batch, int64_t j, bool report_fault) const {
     const int64_t prefix = batch.prefix(j);
-    if (prefix == 0) {
-      if (last_loc == nullptr || last_loc[j] == -1) return true;
-      if (report_fault) origin.fail(kLastLocNotEmpty, j, last_loc[j]);
-      return false;
-    }
-    const int64_t last = last_loc[j];
+    const int64_t last = last_loc != nullptr ? last_loc[j] : -1;
     const auto full_state = [this](int64_t p) { return full.state_of(p); };
     const LastLocFault fault = last_loc_fault(last, prefix, full.page, full.num_pages, full_state);
     if (fault != LastLocFault::kNone) {
-      if (report_fault) {
-        const int64_t code = fault == LastLocFault::kOutOfPool ? kLastLocOutOfPool
-                             : fault == LastLocFault::kWrongOffset ? kLastLocOffset
-                                                                   : kLastLocNotHeld;
-        origin.fail(code, j, last);
-      }
+      if (report_fault) origin.fail(kLastLocFault, j, last, prefix, static_cast<int64_t>(fault));
       return false;
     }
     if (!hybrid || !continues_partial_page(prefix, batch.seq(j), full.page)) return true;
     const auto swa_state = [this](int64_t p) { return swa.state_of(p); };
-    if (swa_continuation_ok(last, mapping[last], swa.page, swa.num_pages, swa_state)) return true;
-    if (report_fault) origin.fail(kSwaContinuation, j, last);
+    const int64_t swa_last = mapping[last];
+    if (swa_continuation_ok(last, swa_last, swa.page, swa.num_pages, swa_state)) return true;
+    if (report_fault) origin.fail(kSwaContinuation, j, last, swa_last);
     return false;
   }
 };
@@ -234,10 +226,7 @@ enum class ClaimSource : int32_t {
 SWA_HD bool claim_page(const PoolView& pool, int64_t p, bool repeat_ok, const Origin& origin, int64_t entry) {
   const StateWord old = compare_and_swap(&pool.state[p], kHeld, kClaimed);
   if (old == kHeld || (old == kClaimed && repeat_ok)) return old == kHeld;
-  const int64_t code = old == kFree || old == kStaged ? kAlreadyFree
-                       : old == kQueuedByIndex || old == kQueuedByPage ? kQueuedInGroup
-                                                                       : kRepeatedInCall;
-  origin.fail(code, entry, p);
+  origin.fail(kClaimRefused, entry, p, old);
   return false;
 }
 
@@ -480,9 +469,9 @@ struct TranslateOp {
   Origin origin;
   SWA_HD void operator()(int64_t i) const {
     const int64_t idx = input[i];
-    if (idx < -1 || idx >= mapping_len - 1) {
+    if (!translatable(idx, mapping_len)) {
       out[i] = 0;
-      return origin.fail(kTranslateRange, i, idx);
+      return origin.fail(kTranslateRange, i, idx, mapping_len);
     }
     out[i] = idx < 0 ? mapping[mapping_len - 1] : mapping[idx];
   }

@@ -39,15 +39,23 @@ void HybridAllocator::check_swa_continuation(const Batch& batch) const {
     const int64_t prefix = batch.prefix(j);
     if (!continues_partial_page(prefix, batch.seq_lens[j], page)) continue;
     const int64_t last = batch.last_loc[j], swa_last = mapping_[last];
-    if (!swa_continuation_ok(last, swa_last, page, swa_->num_pages(), swa_state)) fail_swa_continuation(j, last, swa_last);
+    if (!swa_continuation_ok(last, swa_last, page, swa_->num_pages(), swa_state))
+      throw ArgumentError(swa_continuation_message(j, last, swa_last));
   }
 }
 
-void fail_swa_continuation(int64_t entry, int64_t last_loc, int64_t swa_last) {
-  if (swa_last <= 0)
-    fail("last_loc", "entry ", entry, " (", last_loc, ") has no SWA slot to continue its partial page (evicted?)");
-  fail("last_loc", "entry ", entry, " (", last_loc, ") maps to SWA slot ", swa_last,
-       ", which is not a live slot at the same page offset");
+std::string untranslatable_message(int64_t entry, int64_t slot, int64_t mapping_len) {
+  std::ostringstream m;
+  m << "kv_indices: entry " << entry << " (" << slot << ") is outside [-1, " << mapping_len - 1 << ")";
+  return m.str();
+}
+
+std::string swa_continuation_message(int64_t entry, int64_t last_loc, int64_t swa_last) {
+  std::ostringstream m;
+  m << "last_loc: entry " << entry << " (" << last_loc << ")";
+  if (swa_last <= 0) m << " has no SWA slot to continue its partial page (evicted?)";
+  else m << " maps to SWA slot " << swa_last << ", which is not a live slot at the same page offset";
+  return m.str();
 }
 
 void HybridAllocator::write_batch(const Batch& batch, int64_t num_slots, int64_t need_pages, OutBuffer& out) {
@@ -122,8 +130,7 @@ bool HybridAllocator::alloc_decode(const Batch& batch, OutBuffer& out) {
 void HybridAllocator::translate(Span indices, int64_t* out) const {
   for (int64_t i = 0; i < indices.size; ++i) {
     const int64_t idx = indices[i];
-    if (idx < -1 || idx >= mapping_len_ - 1)
-      fail("indices", "entry ", i, " (", idx, ") is outside [-1, ", mapping_len_ - 1, ")");
+    if (!translatable(idx, mapping_len_)) throw ArgumentError(untranslatable_message(i, idx, mapping_len_));
     out[i] = idx < 0 ? mapping_[mapping_len_ - 1] : mapping_[idx];
   }
 }

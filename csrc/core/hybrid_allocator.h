@@ -14,8 +14,13 @@
 
 namespace swa {
 
-// Throws the ArgumentError for a request whose partial page has no live SWA slot to continue.
-[[noreturn]] void fail_swa_continuation(int64_t entry, int64_t last_loc, int64_t swa_last);
+// The error of a request whose partial page has no live SWA slot to continue (the
+// CPU's and the device's).
+std::string swa_continuation_message(int64_t entry, int64_t last_loc, int64_t swa_last);
+// The error of a kv_indices entry that translate_loc_from_full_to_swa cannot translate.
+std::string untranslatable_message(int64_t entry, int64_t slot, int64_t mapping_len);
+// Why a full slot freed by page representative cannot free an SWA page.
+constexpr const char* kUnmappedRefusal = " has no SWA slot (already evicted or never mapped)";
 
 // Checks the host arguments of a batched window eviction and writes each request's new
 // evicted length (equal to the old one when nothing is due).
@@ -154,7 +159,7 @@ void HybridAllocator::claim_swa_of_reps(PageClaim& claim, const char* arg, int64
     const int64_t full_slot = rep_at(i);
     const int64_t page = full_->page_of(arg, full_slot);
     const int64_t swa_slot = mapping_[full_slot];
-    if (swa_slot <= 0) fail(arg, "full slot ", full_slot, " has no SWA slot (already evicted or never mapped)");
+    if (swa_slot <= 0) fail(arg, "full slot ", full_slot, kUnmappedRefusal);
     claim.add(arg, swa_->page_of(arg, swa_slot), false);
     full_pages.push_back(page);
   }

@@ -24,16 +24,7 @@ void PageClaim::add(const char* arg, int64_t page, bool repeat_ok) {
     return;
   }
   if (s == target_ && repeat_ok) return;
-  switch (s) {
-    case PageState::kFree:
-    case PageState::kStaged:
-      fail(arg, "page ", page, " is already free (double free)");
-    case PageState::kQueuedByIndex:
-    case PageState::kQueuedByPage:
-      fail(arg, "page ", page, " is already freed in the open free group (double free)");
-    default:
-      fail(arg, "page ", page, " is freed twice in one call");
-  }
+  fail(arg, "page ", page, claim_refusal(s));
 }
 
 PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort)
@@ -146,14 +137,14 @@ void PagePool::finish(PageClaim& claim) {
 }
 
 int64_t PagePool::page_of(const char* arg, int64_t index) const {
-  if (index < page_size_ || index >= index_end())
+  if (!slot_in_pool(index, geometry_, num_pages_))
     fail(arg, "index ", index, " is outside the pool's slots [", page_size_, ", ", index_end(),
          ") (page 0 is the padding page)");
   return geometry_.page(index);
 }
 
 void PagePool::check_page_id(const char* arg, int64_t page) const {
-  if (page < 1 || page > num_pages_)
+  if (!page_id_in_pool(page, num_pages_))
     fail(arg, "page id ", page, " is outside [1, ", num_pages_, "] (page 0 is the padding page)");
 }
 
@@ -177,20 +168,41 @@ int64_t check_batch_lengths(const Batch& batch, int64_t last_loc_size, int64_t e
   return pages;
 }
 
-void fail_last_loc(LastLocFault fault, int64_t entry, int64_t last_loc, int64_t prefix_len, const PageGeometry& page,
-                   int64_t num_pages) {
+std::string last_loc_fault_message(LastLocFault fault, int64_t entry, int64_t last_loc, int64_t prefix_len,
+                                   const PageGeometry& page, int64_t num_pages) {
+  std::ostringstream m;
+  m << "last_loc: entry " << entry;
   switch (fault) {
     case LastLocFault::kNone:
-      return;
+      return {};
+    case LastLocFault::kNotEmpty:
+      m << " is " << last_loc << " but the request has no prefix (expected -1)";
+      break;
     case LastLocFault::kOutOfPool:
-      fail("last_loc", "entry ", entry, ": index ", last_loc, " is outside the pool's slots [", page.size, ", ",
-           (num_pages + 1) * page.size, ") (page 0 is the padding page)");
+      m << ": index " << last_loc << " is outside the pool's slots [" << page.size << ", " << (num_pages + 1) * page.size
+        << ") (page 0 is the padding page)";
+      break;
     case LastLocFault::kWrongOffset:
-      fail("last_loc", "entry ", entry, " (", last_loc, ") is not where a prefix of ", prefix_len,
-           " tokens ends in its page (page size ", page.size, ")");
+      m << " (" << last_loc << ") is not where a prefix of " << prefix_len << " tokens ends in its page (page size "
+        << page.size << ")";
+      break;
     case LastLocFault::kPageNotHeld:
-      fail("last_loc", "entry ", entry, " (", last_loc, ") lies in page ", page.page(last_loc),
-           ", which is not allocated");
+      m << " (" << last_loc << ") lies in page " << page.page(last_loc) << ", which is not allocated";
+      break;
+  }
+  return m.str();
+}
+
+const char* claim_refusal(PageState state) {
+  switch (state) {
+    case PageState::kFree:
+    case PageState::kStaged:
+      return " is already free (double free)";
+    case PageState::kQueuedByIndex:
+    case PageState::kQueuedByPage:
+      return " is already freed in the open free group (double free)";
+    default:
+      return " is freed twice in one call";
   }
 }
 
@@ -199,12 +211,9 @@ int64_t PagePool::check_batch(const Batch& batch, int64_t extend_num_tokens) con
   const auto state_of_page = [this](int64_t page) { return state_[page]; };
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j), last = batch.last_loc[j];
-    if (prefix == 0) {
-      if (last != -1) fail("last_loc", "entry ", j, " is ", last, " but the request has no prefix (expected -1)");
-      continue;
-    }
-    fail_last_loc(last_loc_fault(last, prefix, geometry_, num_pages_, state_of_page), j, last, prefix, geometry_,
-                  num_pages_);
+    const LastLocFault fault = last_loc_fault(last, prefix, geometry_, num_pages_, state_of_page);
+    if (fault != LastLocFault::kNone)
+      throw ArgumentError(last_loc_fault_message(fault, j, last, prefix, geometry_, num_pages_));
   }
   return pages;
 }

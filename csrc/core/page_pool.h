@@ -32,9 +32,11 @@ int64_t check_batch_lengths(const Batch& batch, int64_t last_loc_size, int64_t e
                             const PageGeometry& page);
 // Throws unless start_pos (where a freed segment starts in its request) is page-aligned.
 void check_segment_start(int64_t start_pos, const PageGeometry& page);
-// Throws the ArgumentError for a last_loc entry that cannot end its prefix.
-void fail_last_loc(LastLocFault fault, int64_t entry, int64_t last_loc, int64_t prefix_len, const PageGeometry& page,
-                   int64_t num_pages);
+// The error of a last_loc entry that cannot end its prefix (the CPU's and the device's).
+std::string last_loc_fault_message(LastLocFault fault, int64_t entry, int64_t last_loc, int64_t prefix_len,
+                                   const PageGeometry& page, int64_t num_pages);
+// Why a page in `state` cannot be freed now (the CPU's and the device's message).
+const char* claim_refusal(PageState state);
 
 // Pages a call is about to free, marked so that repeats and double frees are caught
 // before anything changes. Unless committed, the marks are undone when it goes away,

@@ -51,12 +51,20 @@ SWA_HD bool slot_in_pool(int64_t slot, const PageGeometry& page, int64_t num_pag
   return slot >= page.size && slot < (num_pages + 1) * page.size;
 }
 
-// Why last_loc cannot end the prefix_len-token prefix of a request (prefix_len > 0),
-// given the state of the page it lies in; kNone when it can.
-enum class LastLocFault { kNone, kOutOfPool, kWrongOffset, kPageNotHeld };
+// Whether a page id names a page of a pool of num_pages pages (not the padding page 0).
+SWA_HD bool page_id_in_pool(int64_t page, int64_t num_pages) { return page >= 1 && page <= num_pages; }
+
+// Whether translate_loc_from_full_to_swa accepts a full slot: one of the mapping's
+// mapping_len - 1 slots, or -1 (a request without a prefix), which reads the sentinel.
+SWA_HD bool translatable(int64_t slot, int64_t mapping_len) { return slot >= -1 && slot < mapping_len - 1; }
+
+// Why last_loc cannot end the prefix_len-token prefix of a request, given the state of
+// the page it lies in; kNone when it can. A request without a prefix has last_loc -1.
+enum class LastLocFault { kNone, kNotEmpty, kOutOfPool, kWrongOffset, kPageNotHeld };
 template <class StateOfPage>
 SWA_HD LastLocFault last_loc_fault(int64_t last_loc, int64_t prefix_len, const PageGeometry& page,
                                    int64_t num_pages, const StateOfPage& state_of_page) {
+  if (prefix_len == 0) return last_loc == -1 ? LastLocFault::kNone : LastLocFault::kNotEmpty;
   if (!slot_in_pool(last_loc, page, num_pages)) return LastLocFault::kOutOfPool;
   if (page.offset(last_loc) != page.offset(prefix_len - 1)) return LastLocFault::kWrongOffset;
   if (state_of_page(page.page(last_loc)) != PageState::kHeld) return LastLocFault::kPageNotHeld;
