@@ -26,10 +26,8 @@ def want_cuda():
 
 def cuda_header_dirs():
     """Headers of the nvidia wheels (cuBLAS, cuSPARSE...) that torch's CUDA headers include."""
-    dirs = []
-    for module_dir in {os.path.dirname(os.path.dirname(torch.__file__))}:
-        dirs += sorted(glob.glob(os.path.join(module_dir, "nvidia", "*", "include")))
-    return [d for d in dirs if os.path.isdir(d)]
+    site_packages = os.path.dirname(os.path.dirname(torch.__file__))
+    return sorted(d for d in glob.glob(os.path.join(site_packages, "nvidia", "*", "include")) if os.path.isdir(d))
 
 
 def native_extension():
@@ -48,7 +46,7 @@ def native_extension():
         sources,
         include_dirs=cuda_header_dirs(),
         define_macros=[("SWA_EXT_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-DSWA_EXT_WITH_CUDA=1"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
         extra_link_args=link_flags,
     )
 

@@ -210,8 +210,7 @@ void DevicePool::merge_and_sort_free() {
 }
 
 void DevicePool::merge_before_extend(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size) {
-  const int64_t low_mark = token_mode() ? need_pages : extend_num_tokens / page_.size + batch_size + 1;
-  if (low_mark > free_page_count()) merge_and_sort_free();
+  if (extend_merge_due(need_pages, extend_num_tokens, batch_size, free_page_count(), page_)) merge_and_sort_free();
 }
 
 void DevicePool::merge_before_alloc(int64_t need_pages) {
@@ -221,18 +220,20 @@ void DevicePool::merge_before_alloc(int64_t need_pages) {
 bool DevicePool::allocate(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, int64_t num_tokens,
                           int64_t need, DeviceCall call, const std::function<void()>& merge, OutBuffer& out) {
   Executor& exec = control_->exec();
-  const dev::BatchView words{exec.upload(batch_words(batch, page_)), batch.size()};
+  dev::BatchView words{nullptr, batch.size()};
   const auto check_last_loc = [&] {
     const dev::PoolView pool = view();
     return dev::LastLocCheck{pool, false, pool, nullptr, last_loc_size > 0 ? last_loc : nullptr,
                              control_->origin(call, kArgLastLoc)};
   };
-  if (control_->debug()) {
+  if (control_->debug()) {  // a bad last_loc raises even where the pool is short, as on the CPU
+    words.words = exec.upload(batch_words(batch, page_));
     exec.run(batch.size(), dev::ValidateBatchOp{words, check_last_loc()});
     control_->check_now([] {});
   }
   merge();
   if (need > free_page_count()) return false;
+  if (words.words == nullptr) words.words = exec.upload(batch_words(batch, page_));  // a refusal uploads nothing
   int64_t* slots = out.get(num_tokens);
   if (num_tokens > 0) {
     exec.run(num_tokens, dev::AllocSlotsOp{words, check_last_loc(), need, 0, -1, nullptr, slots});
@@ -501,16 +502,18 @@ bool DeviceHybridAllocator::allocate(const Batch& batch, const int64_t* last_loc
     need_swa = page_.pages_for(swa_tail_len);
   }
   Executor& exec = control_->exec();
-  const dev::BatchView words{exec.upload(batch_words(batch, page_)), bs};
+  dev::BatchView words{nullptr, bs};
   const auto check_last_loc = [&] {
     return dev::LastLocCheck{full_->view(), true, swa_->view(), mapping_, last_loc_size > 0 ? last_loc : nullptr,
                              control_->origin(call, kArgLastLoc)};
   };
   if (control_->debug()) {  // a bad last_loc raises even where the pools are short, as on the CPU
+    words.words = exec.upload(batch_words(batch, page_));
     exec.run(bs, dev::ValidateBatchOp{words, check_last_loc()});
     control_->check_now([] {});
   }
   if (!new_pages_available(need, need_swa)) return false;
+  if (words.words == nullptr) words.words = exec.upload(batch_words(batch, page_));  // a refusal uploads nothing
   if (batch.decode) {
     full_->merge_before_alloc(bs);
     swa_->merge_before_alloc(bs);

@@ -83,10 +83,7 @@ void PagePool::merge_and_sort_free() {
 }
 
 void PagePool::merge_before_extend(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size) {
-  // The page pool merges early, when the free list is merely low; the token pool
-  // only when it is short.
-  const int64_t low_mark = token_mode() ? need_pages : extend_num_tokens / page_size_ + batch_size + 1;
-  if (low_mark > free_count_) merge_and_sort_free();
+  if (extend_merge_due(need_pages, extend_num_tokens, batch_size, free_count_, geometry_)) merge_and_sort_free();
 }
 
 void PagePool::merge_before_alloc(int64_t need_pages) {

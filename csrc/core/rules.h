@@ -85,6 +85,15 @@ SWA_HD bool swa_continuation_ok(int64_t last_loc, int64_t swa_last, const PageGe
          swa_state_of_page(page.page(swa_last)) == PageState::kHeld;
 }
 
+// need_sort's merge trigger before an extend-shaped allocation: the free list is
+// "low". The page pool merges early, when it is merely low; the token pool (page size
+// 1) only when it is short. Before alloc() and decode the trigger is need > free.
+SWA_HD bool extend_merge_due(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size, int64_t free_pages,
+                             const PageGeometry& page) {
+  const int64_t low_mark = page.size == 1 ? need_pages : page.page(extend_num_tokens) + batch_size + 1;
+  return low_mark > free_pages;
+}
+
 // Pages a request gains when it grows from prefix_len to seq_len tokens.
 SWA_HD int64_t new_page_count(int64_t prefix_len, int64_t seq_len, const PageGeometry& page) {
   return page.pages_for(seq_len) - page.pages_for(prefix_len);

@@ -142,6 +142,11 @@ struct PoolHandle {
   bool debug;
 
   swa::PagePool state() const { return pool ? *pool : device_pool->snapshot(); }
+  // Reads the pool in place on the CPU; a device pool is read through a snapshot.
+  template <class Read>
+  auto read(const Read& read_pool) const {
+    return pool ? read_pool(*pool) : read_pool(device_pool->snapshot());
+  }
   void after_change() const {
     if (!debug) return;
     if (pool) pool->check_invariants();
@@ -246,8 +251,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_pages", [](const PoolHandle& h) { return h.pool ? h.pool->num_pages() : h.device_pool->num_pages(); })
       .def_property_readonly("need_sort", [](const PoolHandle& h) { return h.pool ? h.pool->need_sort() : h.device_pool->need_sort(); })
       .def_property_readonly("device", [](const PoolHandle& h) { return h.device; })
-      .def_property_readonly("free_pages", [](const PoolHandle& h) { return int_tensor(h.state().free_pages()); })
-      .def_property_readonly("release_pages", [](const PoolHandle& h) { return int_tensor(h.state().staged_pages()); })
+      .def_property_readonly("free_pages", [](const PoolHandle& h) {
+             return h.read([](const swa::PagePool& p) { return int_tensor(p.free_pages()); });
+           })
+      .def_property_readonly("release_pages", [](const PoolHandle& h) {
+             return h.read([](const swa::PagePool& p) { return int_tensor(p.staged_pages()); });
+           })
       .def_property_readonly("is_not_in_free_group", [](const PoolHandle& h) {
              return h.pool ? !h.pool->in_free_group() : !h.device_pool->in_free_group();
            })
@@ -332,8 +341,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              h.device_pool->clear();
              h.device_pool->control().reset();
            })
-      .def("debug_print", [](const PoolHandle& h) { return h.state().debug_string(); })
-      .def("check_invariants", [](const PoolHandle& h) { h.state().check_invariants(); })
+      .def("debug_print", [](const PoolHandle& h) {
+             return h.read([](const swa::PagePool& p) { return p.debug_string(); });
+           })
+      .def("check_invariants", [](const PoolHandle& h) {
+             h.read([](const swa::PagePool& p) { p.check_invariants(); });
+           })
       .def("backup_state", [](const PoolHandle& h) { return h.state(); })
       .def("restore_state", [](PoolHandle& h, const swa::PagePool& state) {
              UseGuard guard(*h.busy);
