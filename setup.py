@@ -3,18 +3,59 @@
 The extension holds the CUDA kernels (csrc/cuda) when torch is a CUDA build and a CUDA
 toolkit is found, or when USE_CUDA=1 forces it; USE_CUDA=0 builds for the CPU only.
 TORCH_CUDA_ARCH_LIST defaults to "9.0" (Hopper).
+
+The extension compiles against the torch it will run with, the one installed in the
+target environment; pyproject.toml says why no torch is a build requirement.
 """
 import glob
 import os
+import runpy
+import site
+import sys
+
+# torch 2.13.0, the release this project pins and tests, supports Python 3.10 and newer.
+MIN_PYTHON = (3, 10)
+if sys.version_info < MIN_PYTHON:
+    sys.exit(f"swa_ext needs Python {'.'.join(map(str, MIN_PYTHON))} or newer, "
+             f"this is {sys.version.split()[0]}")
 
 # torch finds the toolkit when its module is imported; prefer the real one over an
 # nvcc wrapper on PATH.
 if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
-import torch  # noqa: E402
+NO_TORCH = ("swa_ext: no torch to compile against: install torch into this environment first; "
+            "if it is installed, build without isolation (pip install --no-build-isolation ., "
+            "python -m build --no-isolation)")
+
+
+def import_target_torch():
+    """The installed torch, also from inside pip's isolated build environment.
+
+    That environment runs this interpreter but hides its site-packages; they are put
+    back after the build environment's own packages (setuptools, ninja), without their
+    .pth files. A frontend that builds in another interpreter (python -m build, uv)
+    still finds no torch: then one line names the fix.
+    """
+    try:
+        import torch
+        return torch
+    except ImportError:
+        pass
+    sys.path.extend(d for d in site.getsitepackages() if d not in sys.path)
+    try:
+        import torch
+    except ImportError:
+        sys.exit(NO_TORCH)
+    return torch
+
+
+torch = import_target_torch()
 from setuptools import setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = runpy.run_path(os.path.join(ROOT, "swa_ext", "_version.py"))["__version__"]
 
 
 def want_cuda():
@@ -51,16 +92,39 @@ def native_extension():
     )
 
 
+def torch_requirement():
+    """The torch release the extension was compiled against: libtorch's C++ ABI changes
+    between releases, so pip is told that another torch breaks this build. A local
+    label (+cpu, +cu128) is left out: any build of that release matches."""
+    return "torch==" + torch.__version__.split("+")[0]
+
+
+def long_description():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
 setup(
     name="swa_ext",
-    version="0.1.0",
+    version=VERSION,
     description="KV cache page allocator for hybrid sliding-window-attention LLMs (drop-in for SGLang's SWA allocator)",
+    long_description=long_description(),
+    long_description_content_type="text/markdown",
+    author="the swa_ext authors",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: C++",
+        "Operating System :: POSIX :: Linux",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     packages=["swa_ext", "swa_ext_bench"],
     package_dir={"swa_ext": "swa_ext", "swa_ext_bench": "bench"},
     package_data={"swa_ext": ["data/*.csv", "data/*.json"]},
     ext_modules=[native_extension()],
     cmdclass={"build_ext": BuildExtension},
-    python_requires=">=3.9",
-    install_requires=["torch", "numpy", "tqdm", "matplotlib"],
+    python_requires=">=" + ".".join(map(str, MIN_PYTHON)),
+    install_requires=[torch_requirement(), "numpy", "tqdm", "matplotlib"],
     entry_points={"console_scripts": ["swa-ext = swa_ext.cli:main"]},
 )
