@@ -3,7 +3,8 @@
 The classes subclass the native handles directly, so a call such as
 ``allocator.alloc_decode(...)`` goes straight to C++ with no Python frame in between.
 Argument names, defaults, return values (int64 tensors on the allocator's device, or
-None when refused) follow SGLang 0.5.23; SPEC.md is the contract.
+None when refused) follow SGLang 0.5.23; SPEC.md is the contract. The native methods'
+docstrings (``help()``) live in csrc/torch/docstrings.h.
 """
 from __future__ import annotations
 
@@ -13,11 +14,18 @@ from . import _C
 
 
 class PagedTokenToKVPoolAllocator(_C.PagePool):
-    """One paged KV pool (page size > 1): SGLang's ``PagedTokenToKVPoolAllocator``."""
+    """One paged KV pool (page size > 1): SGLang's ``PagedTokenToKVPoolAllocator``.
+
+    ``size`` slots (tokens) in pages of ``page_size`` slots, on ``device`` ("cpu" or
+    "cuda"). ``dtype`` and ``kvcache`` are recorded for the caller (SGLang's attributes);
+    the allocator itself only hands out slot indices. ``need_sort`` stages freed pages
+    and merges them sorted when an allocation needs them; ``kernels="emulated"`` (CPU
+    only) runs the GPU algorithm element by element, for tests.
+    """
 
     def __init__(self, size, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
         super().__init__(size, page_size, torch.device(device), need_sort, kernels)
-        self.dtype = dtype
+        self._dtype = dtype
         self._kvcache = kvcache
 
     @classmethod
@@ -25,16 +33,26 @@ class PagedTokenToKVPoolAllocator(_C.PagePool):
         """A view of a pool owned by a hybrid allocator (same free list, same guard)."""
         pool = cls.__new__(cls)
         _C.PagePool.__init__(pool, handle)
-        pool.dtype = dtype
+        pool._dtype = dtype
         pool._kvcache = kvcache
         return pool
 
+    @property
+    def dtype(self):
+        """The KV cache's torch dtype, as given to the constructor (not used for allocating)."""
+        return self._dtype
+
     def get_kvcache(self):
+        """The KV cache object given to the constructor (None if none was)."""
         return self._kvcache
 
 
 class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
-    """The token pool (page size 1): SGLang's ``TokenToKVPoolAllocator``."""
+    """The token pool (page size 1): SGLang's ``TokenToKVPoolAllocator``.
+
+    ``size``, ``dtype``, ``device``, ``kvcache``, ``need_sort`` and ``kernels`` as for
+    ``PagedTokenToKVPoolAllocator``.
+    """
 
     def __init__(self, size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
         super().__init__(size, 1, dtype, device, kvcache, need_sort, kernels)
@@ -47,8 +65,14 @@ def _pool_class(page_size):
 class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     """Full-attention and SWA page pools with the full-to-SWA slot mapping.
 
-    Drop-in for SGLang's ``SWATokenToKVPoolAllocator``; page size 1 also supports
-    ``alloc_extend``, ``alloc_decode`` and ``alloc_extend_swa_tail`` (SPEC.md section 4).
+    Drop-in for SGLang's ``SWATokenToKVPoolAllocator``: ``size`` full-attention slots and
+    ``size_swa`` SWA slots (tokens), in pages of ``page_size`` slots; page size 1 also
+    supports ``alloc_extend``, ``alloc_decode`` and ``alloc_extend_swa_tail`` (SPEC.md
+    section 4). The allocation methods return full-pool slots;
+    ``translate_loc_from_full_to_swa`` gives their SWA slots. ``dtype`` and ``kvcache``
+    are recorded for the caller; a ``kvcache`` with ``register_mapping`` is handed
+    ``full_to_swa_index_mapping``. ``need_sort`` stages freed pages and merges them
+    sorted when an allocation needs them.
 
     With ``device="cuda"`` the free lists, the mapping and every returned tensor live on
     the GPU (README: "CUDA"). ``kernels="emulated"`` with ``device="cpu"`` runs the GPU
@@ -57,13 +81,32 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
 
     def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
         super().__init__(size, size_swa, page_size, torch.device(device), need_sort, kernels)
-        self.dtype = dtype
+        self._dtype = dtype
         self._kvcache = kvcache
         pool_class = _pool_class(page_size)
-        self.full_attn_allocator = pool_class._share(self._full_pool(), dtype, kvcache)
-        self.swa_attn_allocator = pool_class._share(self._swa_pool(), dtype, kvcache)
+        self._full_attn_allocator = pool_class._share(self._full_pool(), dtype, kvcache)
+        self._swa_attn_allocator = pool_class._share(self._swa_pool(), dtype, kvcache)
         if kvcache is not None and hasattr(kvcache, "register_mapping"):
             kvcache.register_mapping(self.full_to_swa_index_mapping)
 
+    @property
+    def dtype(self):
+        """The KV cache's torch dtype, as given to the constructor (not used for allocating)."""
+        return self._dtype
+
+    @property
+    def full_attn_allocator(self):
+        """The full-attention pool, as a ``PagedTokenToKVPoolAllocator`` (``TokenToKVPoolAllocator``
+        at page size 1): a view of this allocator's pool, not a copy. Freeing through it
+        bypasses the mapping; it is there for SGLang code that reads its sizes and free pages."""
+        return self._full_attn_allocator
+
+    @property
+    def swa_attn_allocator(self):
+        """The SWA pool, as a ``PagedTokenToKVPoolAllocator`` (``TokenToKVPoolAllocator`` at
+        page size 1): a view of this allocator's pool, not a copy (see ``full_attn_allocator``)."""
+        return self._swa_attn_allocator
+
     def get_kvcache(self):
+        """The KV cache object given to the constructor (None if none was)."""
         return self._kvcache

@@ -9,6 +9,7 @@
 
 #include "../core/device_allocator.h"
 #include "../core/hybrid_allocator.h"
+#include "docstrings.h"
 #ifdef SWA_EXT_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -213,23 +214,23 @@ at::Tensor int_tensor(const std::vector<int64_t>& values) { return at::tensor(va
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "swa_ext native core: SWA hybrid KV page allocator";
+  m.doc() = swa_docs::module_doc;
   py::register_exception<swa::ConcurrentUseError>(m, "ConcurrentUseError", PyExc_RuntimeError);
   py::register_exception<swa::DeferredError>(m, "DeferredError", PyExc_RuntimeError);
-  m.def("built_with_cuda", &built_with_cuda);
-  m.def("swa_tail_len", &swa::swa_tail_len, py::arg("seq_len"), py::arg("window"), py::arg("page_size"),
+  m.def("built_with_cuda", &built_with_cuda, swa_docs::built_with_cuda);
+  m.def("swa_tail_len", &swa::swa_tail_len, swa_docs::swa_tail_len, py::arg("seq_len"), py::arg("window"), py::arg("page_size"),
         py::arg("radix_cache") = false);
-  m.def("evicted_after_step", &swa::evicted_after_step, py::arg("evicted"), py::arg("pre_len"), py::arg("window"),
+  m.def("evicted_after_step", &swa::evicted_after_step, swa_docs::evicted_after_step, py::arg("evicted"), py::arg("pre_len"), py::arg("window"),
         py::arg("page_size"), py::arg("interval") = 1, py::arg("prefix_sharing") = false);
   // The cheapest native call over an allocation's arguments: the floor benchmarks compare with.
-  m.def("bench_floor", [](const py::args& args) { return args[args.size() - 1]; });
+  m.def("bench_floor", [](const py::args& args) { return args[args.size() - 1]; }, swa_docs::bench_floor);
 
   py::class_<swa::HybridAllocator::State>(m, "AllocatorState")
       .def("__eq__", [](const swa::HybridAllocator::State& a, const swa::HybridAllocator::State& b) { return a == b; });
   py::class_<swa::PagePool>(m, "PoolState")
       .def("__eq__", [](const swa::PagePool& a, const swa::PagePool& b) { return a == b; });
 
-  py::class_<PoolHandle>(m, "PagePool")
+  py::class_<PoolHandle>(m, "PagePool", swa_docs::pool_class)
       .def(py::init([](int64_t size, int64_t page_size, const py::object& device, bool need_sort, const std::string& kernels) {
              const c10::Device dev = device_arg(device);
              const bool debug = debug_checks_enabled();
@@ -241,33 +242,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return PoolHandle{nullptr, std::make_shared<swa::DevicePool>(control, 0, size, page_size, need_sort), dev,
                                std::make_shared<std::atomic<bool>>(false), debug};
            }),
-           py::arg("size"), py::arg("page_size"), py::arg("device"), py::arg("need_sort") = false,
+           swa_docs::pool_init, py::arg("size"), py::arg("page_size"), py::arg("device"), py::arg("need_sort") = false,
            py::arg("kernels") = "auto")
       // A second handle on the same pool: the pools of a hybrid allocator.
-      .def(py::init([](const PoolHandle& shared) { return shared; }), py::arg("shared"))
-      .def_property_readonly("page_size", [](const PoolHandle& h) { return h.pool ? h.pool->page_size() : h.device_pool->page_size(); })
-      .def_property_readonly("size", [](const PoolHandle& h) { return h.pool ? h.pool->size() : h.device_pool->size(); })
-      .def_property_readonly("size_full", [](const PoolHandle& h) { return h.pool ? h.pool->size() : h.device_pool->size(); })
-      .def_property_readonly("num_pages", [](const PoolHandle& h) { return h.pool ? h.pool->num_pages() : h.device_pool->num_pages(); })
-      .def_property_readonly("need_sort", [](const PoolHandle& h) { return h.pool ? h.pool->need_sort() : h.device_pool->need_sort(); })
-      .def_property_readonly("device", [](const PoolHandle& h) { return h.device; })
+      .def(py::init([](const PoolHandle& shared) { return shared; }), swa_docs::pool_init_shared, py::arg("shared"))
+      .def_property_readonly("page_size", [](const PoolHandle& h) { return h.pool ? h.pool->page_size() : h.device_pool->page_size(); }, swa_docs::pool_page_size)
+      .def_property_readonly("size", [](const PoolHandle& h) { return h.pool ? h.pool->size() : h.device_pool->size(); }, swa_docs::pool_size)
+      .def_property_readonly("size_full", [](const PoolHandle& h) { return h.pool ? h.pool->size() : h.device_pool->size(); }, swa_docs::pool_size_full)
+      .def_property_readonly("num_pages", [](const PoolHandle& h) { return h.pool ? h.pool->num_pages() : h.device_pool->num_pages(); }, swa_docs::pool_num_pages)
+      .def_property_readonly("need_sort", [](const PoolHandle& h) { return h.pool ? h.pool->need_sort() : h.device_pool->need_sort(); }, swa_docs::pool_need_sort)
+      .def_property_readonly("device", [](const PoolHandle& h) { return h.device; }, swa_docs::pool_device)
       .def_property_readonly("free_pages", [](const PoolHandle& h) {
              return h.read([](const swa::PagePool& p) { return int_tensor(p.free_pages()); });
-           })
+           }, swa_docs::pool_free_pages)
       .def_property_readonly("release_pages", [](const PoolHandle& h) {
              return h.read([](const swa::PagePool& p) { return int_tensor(p.staged_pages()); });
-           })
+           }, swa_docs::pool_release_pages)
       .def_property_readonly("is_not_in_free_group", [](const PoolHandle& h) {
              return h.pool ? !h.pool->in_free_group() : !h.device_pool->in_free_group();
-           })
-      .def("available_size", [](PoolHandle& h) { return h.pool ? h.pool->available_size() : h.device_pool->available_size(); })
+           }, swa_docs::pool_is_not_in_free_group)
+      .def("available_size", [](PoolHandle& h) { return h.pool ? h.pool->available_size() : h.device_pool->available_size(); }, swa_docs::pool_available_size)
       .def("alloc", [](PoolHandle& h, int64_t need_size) {
              UseGuard guard(*h.busy);
              TensorOut out(h.device);
              const bool ok = h.pool ? h.pool->alloc(need_size, out) : h.device_pool->alloc(need_size, out);
              h.after_change();
              return result(ok, out);
-           }, py::arg("need_size"))
+           }, swa_docs::pool_alloc, py::arg("need_size"))
       .def("alloc_extend", [](PoolHandle& h, const py::object& prefix_lens, const py::object& prefix_lens_cpu,
                               const py::object& seq_lens, const py::object& seq_lens_cpu, const py::object& last_loc,
                               int64_t extend_num_tokens, std::optional<int64_t> num_new_pages) {
@@ -282,7 +283,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                                   extend_num_tokens, num_new_pages.value_or(-1), out);
              h.after_change();
              return result(ok, out);
-           }, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
+           }, swa_docs::pool_alloc_extend, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
            py::arg("last_loc"), py::arg("extend_num_tokens"), py::arg("num_new_pages") = py::none())
       .def("alloc_decode", [](PoolHandle& h, const py::object& seq_lens, const py::object& seq_lens_cpu, const py::object& last_loc) {
              UseGuard guard(*h.busy);
@@ -294,7 +295,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                     : h.device_pool->alloc_decode(batch, last.span().data, last.span().size, out);
              h.after_change();
              return result(ok, out);
-           }, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
+           }, swa_docs::pool_alloc_decode, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
       .def("free", [](PoolHandle& h, const py::object& free_index) {
              UseGuard guard(*h.busy);
              const IntArg idx_arg = int_arg("free_index", free_index, h.device);
@@ -302,7 +303,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (h.pool) h.pool->free(idx);
              else h.device_pool->free(idx.data, idx.size);
              h.after_change();
-           }, py::arg("free_index"))
+           }, swa_docs::pool_free, py::arg("free_index"))
       .def("free_page_ids", [](PoolHandle& h, const py::object& page_ids) {
              UseGuard guard(*h.busy);
              const IntArg pages_arg = int_arg("page_ids", page_ids, h.device);
@@ -310,7 +311,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (h.pool) h.pool->free_page_ids(pages);
              else h.device_pool->free_page_ids(pages.data, pages.size);
              h.after_change();
-           }, py::arg("page_ids"))
+           }, swa_docs::pool_free_page_ids, py::arg("page_ids"))
       .def("free_segment", [](PoolHandle& h, const py::object& indices, int64_t start_pos) {
              UseGuard guard(*h.busy);
              const IntArg idx_arg = int_arg("indices", indices, h.device);
@@ -318,36 +319,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (h.pool) h.pool->free_segment(idx, start_pos);
              else h.device_pool->free_segment(idx.data, idx.size, start_pos);
              h.after_change();
-           }, py::arg("indices"), py::kw_only(), py::arg("start_pos"))
+           }, swa_docs::pool_free_segment, py::arg("indices"), py::kw_only(), py::arg("start_pos"))
       .def("free_group_begin", [](PoolHandle& h) {
              UseGuard guard(*h.busy);
              if (h.pool) h.pool->free_group_begin();
              else h.device_pool->free_group_begin();
-           })
+           }, swa_docs::pool_free_group_begin)
       .def("free_group_end", [](PoolHandle& h) {
              UseGuard guard(*h.busy);
              if (h.pool) h.pool->free_group_end();
              else h.device_pool->free_group_end();
              h.after_change();
-           })
+           }, swa_docs::pool_free_group_end)
       .def("merge_and_sort_free", [](PoolHandle& h) {
              UseGuard guard(*h.busy);
              if (h.pool) h.pool->merge_and_sort_free();
              else h.device_pool->merge_and_sort_free();
-           })
+           }, swa_docs::pool_merge_and_sort_free)
       .def("clear", [](PoolHandle& h) {
              UseGuard guard(*h.busy);
              if (h.pool) return h.pool->clear();
              h.device_pool->clear();
              h.device_pool->control().reset();
-           })
+           }, swa_docs::pool_clear)
       .def("debug_print", [](const PoolHandle& h) {
              return h.read([](const swa::PagePool& p) { return p.debug_string(); });
-           })
+           }, swa_docs::pool_debug_print)
       .def("check_invariants", [](const PoolHandle& h) {
              h.read([](const swa::PagePool& p) { p.check_invariants(); });
-           })
-      .def("backup_state", [](const PoolHandle& h) { return h.state(); })
+           }, swa_docs::pool_check_invariants)
+      .def("backup_state", [](const PoolHandle& h) { return h.state(); }, swa_docs::pool_backup_state)
       .def("restore_state", [](PoolHandle& h, const swa::PagePool& state) {
              UseGuard guard(*h.busy);
              const int64_t size = h.pool ? h.pool->size() : h.device_pool->size();
@@ -357,43 +358,43 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (h.pool) return void(*h.pool = state);
              h.device_pool->restore(state);
              h.device_pool->control().reset();
-           }, py::arg("state"));
+           }, swa_docs::pool_restore_state, py::arg("state"));
 
-  py::class_<HybridHandle>(m, "HybridAllocator")
+  py::class_<HybridHandle>(m, "HybridAllocator", swa_docs::hybrid_class)
       .def(py::init([](int64_t size, int64_t size_swa, int64_t page_size, const py::object& device, bool need_sort,
                        const std::string& kernels) {
              return std::make_unique<HybridHandle>(size, size_swa, page_size, need_sort, device_arg(device), kernels);
            }),
-           py::arg("size"), py::arg("size_swa"), py::arg("page_size"), py::arg("device"), py::arg("need_sort"),
+           swa_docs::hybrid_init, py::arg("size"), py::arg("size_swa"), py::arg("page_size"), py::arg("device"), py::arg("need_sort"),
            py::arg("kernels") = "auto")
-      .def_property_readonly("page_size", [](const HybridHandle& h) { return h.core ? h.core->page_size() : h.device_core->page_size(); })
-      .def_property_readonly("size", [](const HybridHandle& h) { return std::min(h.full_size(), h.swa_size()); })
-      .def_property_readonly("size_full", [](const HybridHandle& h) { return h.full_size(); })
-      .def_property_readonly("size_swa", [](const HybridHandle& h) { return h.swa_size(); })
-      .def_property_readonly("need_sort", [](const HybridHandle& h) { return h.core ? h.core->full().need_sort() : h.device_core->full().need_sort(); })
-      .def_property_readonly("device", [](const HybridHandle& h) { return h.device; })
+      .def_property_readonly("page_size", [](const HybridHandle& h) { return h.core ? h.core->page_size() : h.device_core->page_size(); }, swa_docs::hybrid_page_size)
+      .def_property_readonly("size", [](const HybridHandle& h) { return std::min(h.full_size(), h.swa_size()); }, swa_docs::hybrid_size)
+      .def_property_readonly("size_full", [](const HybridHandle& h) { return h.full_size(); }, swa_docs::hybrid_size_full)
+      .def_property_readonly("size_swa", [](const HybridHandle& h) { return h.swa_size(); }, swa_docs::hybrid_size_swa)
+      .def_property_readonly("need_sort", [](const HybridHandle& h) { return h.core ? h.core->full().need_sort() : h.device_core->full().need_sort(); }, swa_docs::hybrid_need_sort)
+      .def_property_readonly("device", [](const HybridHandle& h) { return h.device; }, swa_docs::hybrid_device)
       .def_property_readonly("kernels", [](const HybridHandle& h) {
              return h.core ? "cpu" : h.device.is_cpu() ? "emulated" : "cuda";
-           })
-      .def_property_readonly("full_to_swa_index_mapping", [](const HybridHandle& h) { return h.mapping; })
+           }, swa_docs::hybrid_kernels)
+      .def_property_readonly("full_to_swa_index_mapping", [](const HybridHandle& h) { return h.mapping; }, swa_docs::hybrid_full_to_swa_index_mapping)
       // How many times the allocator has waited for the GPU (count read-backs, state snapshots).
-      .def_property_readonly("device_waits", [](const HybridHandle& h) { return h.core ? 0 : h.device_core->control().waits(); })
+      .def_property_readonly("device_waits", [](const HybridHandle& h) { return h.core ? 0 : h.device_core->control().waits(); }, swa_docs::hybrid_device_waits)
       .def("_full_pool", [](const HybridHandle& h) { return h.full_view(); })
       .def("_swa_pool", [](const HybridHandle& h) { return h.swa_view(); })
-      .def("available_size", [](HybridHandle& h) { return h.core ? h.core->available_size() : h.device_core->available_size(); })
-      .def("full_available_size", [](HybridHandle& h) { return h.core ? h.core->full().available_size() : h.device_core->full().available_size(); })
-      .def("swa_available_size", [](HybridHandle& h) { return h.core ? h.core->swa().available_size() : h.device_core->swa().available_size(); })
+      .def("available_size", [](HybridHandle& h) { return h.core ? h.core->available_size() : h.device_core->available_size(); }, swa_docs::hybrid_available_size)
+      .def("full_available_size", [](HybridHandle& h) { return h.core ? h.core->full().available_size() : h.device_core->full().available_size(); }, swa_docs::hybrid_full_available_size)
+      .def("swa_available_size", [](HybridHandle& h) { return h.core ? h.core->swa().available_size() : h.device_core->swa().available_size(); }, swa_docs::hybrid_swa_available_size)
       .def("new_pages_available", [](HybridHandle& h, int64_t num_full_pages, int64_t num_swa_pages) {
              return h.core ? h.core->new_pages_available(num_full_pages, num_swa_pages)
                            : h.device_core->new_pages_available(num_full_pages, num_swa_pages);
-           }, py::arg("num_full_pages"), py::arg("num_swa_pages"))
+           }, swa_docs::hybrid_new_pages_available, py::arg("num_full_pages"), py::arg("num_swa_pages"))
       .def("alloc", [](HybridHandle& h, int64_t need_size) {
              UseGuard guard(*h.busy);
              TensorOut out(h.device);
              const bool ok = h.core ? h.core->alloc(need_size, out) : h.device_core->alloc(need_size, out);
              h.after_change();
              return result(ok, out);
-           }, py::arg("need_size"))
+           }, swa_docs::hybrid_alloc, py::arg("need_size"))
       .def("alloc_extend", [](HybridHandle& h, const py::object& prefix_lens, const py::object& prefix_lens_cpu,
                               const py::object& seq_lens, const py::object& seq_lens_cpu, const py::object& last_loc,
                               int64_t extend_num_tokens) {
@@ -408,7 +409,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                                   extend_num_tokens, out);
              h.after_change();
              return result(ok, out);
-           }, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
+           }, swa_docs::hybrid_alloc_extend, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
            py::arg("last_loc"), py::arg("extend_num_tokens"))
       .def("alloc_extend_swa_tail", [](HybridHandle& h, const py::object& prefix_lens, const py::object& prefix_lens_cpu,
                                        const py::object& seq_lens, const py::object& seq_lens_cpu,
@@ -424,7 +425,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                                            extend_num_tokens, swa_tail_len, out);
              h.after_change();
              return result(ok, out);
-           }, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
+           }, swa_docs::hybrid_alloc_extend_swa_tail, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
            py::arg("last_loc"), py::arg("extend_num_tokens"), py::arg("swa_tail_len"))
       .def("alloc_decode", [](HybridHandle& h, const py::object& seq_lens, const py::object& seq_lens_cpu, const py::object& last_loc) {
              UseGuard guard(*h.busy);
@@ -436,14 +437,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                     : h.device_core->alloc_decode(batch, last.span().data, last.span().size, out);
              h.after_change();
              return result(ok, out);
-           }, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
+           }, swa_docs::hybrid_alloc_decode, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
       .def("translate_loc_from_full_to_swa", [](HybridHandle& h, const py::object& kv_indices) {
              const IntArg idx = int_arg("kv_indices", kv_indices, h.device);
              at::Tensor out = empty_indices(idx.tensor.numel(), h.device);
              if (h.core) h.core->translate(idx.span(), out.data_ptr<int64_t>());
              else h.device_core->translate(idx.span().data, idx.span().size, out.data_ptr<int64_t>());
              return out;
-           }, py::arg("kv_indices"))
+           }, swa_docs::hybrid_translate_loc_from_full_to_swa, py::arg("kv_indices"))
       .def("set_full_to_swa_mapping", [](HybridHandle& h, const py::object& full_indices, const py::object& swa_indices) {
              UseGuard guard(*h.busy);
              const IntArg full_arg = int_arg("full_indices", full_indices, h.device);
@@ -451,14 +452,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg swa_arg = int_arg("swa_indices", swa_indices, h.device);
              if (h.core) h.core->set_mapping(full, swa_arg.span());
              else h.device_core->set_mapping(full.data, full.size, swa_arg.span().data, swa_arg.span().size);
-           }, py::arg("full_indices"), py::arg("swa_indices"))
+           }, swa_docs::hybrid_set_full_to_swa_mapping, py::arg("full_indices"), py::arg("swa_indices"))
       .def("clear_full_to_swa_mapping", [](HybridHandle& h, const py::object& full_indices) {
              UseGuard guard(*h.busy);
              const IntArg full_arg = int_arg("full_indices", full_indices, h.device);
              const swa::Span full = full_arg.span();
              if (h.core) h.core->clear_mapping(full);
              else h.device_core->clear_mapping(full.data, full.size);
-           }, py::arg("full_indices"))
+           }, swa_docs::hybrid_clear_full_to_swa_mapping, py::arg("full_indices"))
 #define SWA_EXT_FREE(name, arg_name)                                                                 \
   .def(#name, [](HybridHandle& h, const py::object& indices) {                                   \
         UseGuard guard(*h.busy);                                                                  \
@@ -467,7 +468,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (h.core) h.core->name(idx);                                                            \
         else h.device_core->name(idx.data, idx.size);                                             \
         h.after_change();                                                                         \
-      }, py::arg(arg_name))
+      }, swa_docs::hybrid_##name, py::arg(arg_name))
 #define SWA_EXT_FREE_SEGMENT(name)                                                                \
   .def(#name, [](HybridHandle& h, const py::object& indices, int64_t start_pos) {                \
         UseGuard guard(*h.busy);                                                                  \
@@ -476,7 +477,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (h.core) h.core->name(idx, start_pos);                                                 \
         else h.device_core->name(idx.data, idx.size, start_pos);                                  \
         h.after_change();                                                                         \
-      }, py::arg("indices"), py::kw_only(), py::arg("start_pos"))
+      }, swa_docs::hybrid_##name, py::arg("indices"), py::kw_only(), py::arg("start_pos"))
       SWA_EXT_FREE(free, "free_index")
       SWA_EXT_FREE(free_swa, "free_index")
       SWA_EXT_FREE(free_full, "free_index")
@@ -489,13 +490,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              UseGuard guard(*h.busy);
              if (h.core) h.core->free_group_begin();
              else h.device_core->free_group_begin();
-           })
+           }, swa_docs::hybrid_free_group_begin)
       .def("free_group_end", [](HybridHandle& h) {
              UseGuard guard(*h.busy);
              if (h.core) h.core->free_group_end();
              else h.device_core->free_group_end();
              h.after_change();
-           })
+           }, swa_docs::hybrid_free_group_end)
       .def("evict_out_of_window", [](HybridHandle& h, const at::Tensor& req_to_token, const py::object& rows,
                                      const py::object& pre_lens, const py::object& evicted_seqlens, int64_t window,
                                      int64_t interval, bool prefix_sharing) {
@@ -524,27 +525,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              }
              h.after_change();
              return out;
-           }, py::arg("req_to_token"), py::arg("rows"), py::arg("pre_lens"), py::arg("evicted_seqlens"),
+           }, swa_docs::hybrid_evict_out_of_window, py::arg("req_to_token"), py::arg("rows"), py::arg("pre_lens"), py::arg("evicted_seqlens"),
            py::arg("window"), py::arg("interval") = 1, py::arg("prefix_sharing") = false)
       .def("clear", [](HybridHandle& h) {
              UseGuard guard(*h.busy);
              if (h.core) h.core->clear();
              else h.device_core->clear();
-           })
+           }, swa_docs::hybrid_clear)
       // Waits for the device and raises an error its checks found since the last wait
       // (DeferredError); nothing to do on the CPU, whose calls raise at once.
       .def("check_device_errors", [](HybridHandle& h) {
              if (h.device_core) h.device_core->control().raise_found_errors();
-           })
-      .def("debug_print", [](HybridHandle& h) { return h.core ? h.core->debug_string() : h.device_core->debug_string(); })
+           }, swa_docs::hybrid_check_device_errors)
+      .def("debug_print", [](HybridHandle& h) { return h.core ? h.core->debug_string() : h.device_core->debug_string(); }, swa_docs::hybrid_debug_print)
       .def("check_invariants", [](HybridHandle& h) {
              if (h.core) h.core->check_invariants();
              else h.device_core->check_invariants();
-           })
-      .def("backup_state", [](HybridHandle& h) { return h.core ? h.core->backup_state() : h.device_core->backup_state(); })
+           }, swa_docs::hybrid_check_invariants)
+      .def("backup_state", [](HybridHandle& h) { return h.core ? h.core->backup_state() : h.device_core->backup_state(); }, swa_docs::hybrid_backup_state)
       .def("restore_state", [](HybridHandle& h, const swa::HybridAllocator::State& state) {
              UseGuard guard(*h.busy);
              if (h.core) h.core->restore_state(state);
              else h.device_core->restore_state(state);
-           }, py::arg("state"));
+           }, swa_docs::hybrid_restore_state, py::arg("state"));
 }
