@@ -79,8 +79,11 @@ class ReqToTokenPool:
     """The per-request row table: row ``r`` of ``req_to_token`` holds request r's KV slots.
 
     As SGLang's ``ReqToTokenPool``: ``req_to_token`` is a ``[max_reqs, max_context_len]``
-    tensor (int32 unless ``dtype`` says int64) on ``device``; rows are handed out from
-    the head of ``free_slots`` and returned to its tail.
+    tensor (int32 unless ``dtype`` says int64) on ``device``, all 0 at first; rows are
+    handed out from the head of ``free_slots`` (``alloc``) and returned to its tail
+    (``free``). Entry ``req_to_token[r, i]`` is the full-pool slot of token ``i`` of the
+    request in row r; 0 (the padding slot, never handed out) means none: ``pre_alloc``
+    takes only a row that is all 0, and ``release`` sets it back to 0.
     """
 
     def __init__(self, max_reqs: int, max_context_len: int, device="cpu", dtype: torch.dtype = torch.int32):
@@ -100,6 +103,7 @@ class ReqToTokenPool:
         self._held = [False] * max_reqs
 
     def available_size(self) -> int:
+        """How many rows are free."""
         return len(self.free_slots)
 
     def alloc(self, need_size: int = 1):
@@ -131,6 +135,8 @@ class ReqToTokenPool:
         self.free_slots.extend(rows)
 
     def clear(self) -> None:
+        """Every row free and empty (all 0), as after construction: for a cleared allocator."""
+        self.req_to_token.zero_()
         self.free_slots = list(range(self.size))
         self._held = [False] * self.size
 
@@ -163,6 +169,11 @@ def pre_alloc(allocator, req_to_token, row, fill_len, window, *, prefix_indices=
     ``prefix_indices``, when given, are the full slots of a prefix the request already
     holds (a radix-cache hit): page-aligned length, ending at or before the tail.
 
+    ``req_to_token[row]`` must be all 0: a row still holding a request's slots (one not
+    yet ``release``d) is refused with ValueError, since allocating over it would lose
+    those slots and free the new ones a second time at that request's release. On a
+    CUDA table this check reads one value back from the GPU.
+
     Returns ``(kv_indices, swa_evicted_seqlen)``: the newly allocated full slots and
     ``fill_len - tail``; or None, with nothing changed, when the pools cannot hold it.
     """
@@ -192,6 +203,10 @@ def pre_alloc(allocator, req_to_token, row, fill_len, window, *, prefix_indices=
         if prefix_len > fill_len - tail:
             raise ValueError(f"prefix_indices: length {prefix_len} reaches into the SWA tail "
                              f"[{fill_len - tail}, {fill_len}) of a {fill_len}-token request")
+    slots = req_to_token[row]
+    if bool(slots.any()):
+        raise ValueError(f"row: req_to_token[{row}] still holds slots (not all 0): release its request first, "
+                         f"or zero the row if its slots were freed another way")
 
     # The lengths as 1-element int64 tensors: on the device, with CPU copies (the same
     # tensors when the allocator is on the CPU).
@@ -212,7 +227,6 @@ def pre_alloc(allocator, req_to_token, row, fill_len, window, *, prefix_indices=
         last_loc=last_loc, extend_num_tokens=fill_len - prefix_len, swa_tail_len=tail)
     if kv_indices is None:
         return None
-    slots = req_to_token[row]
     if prefix_len:
         slots[:prefix_len] = prefix_indices
     slots[prefix_len:fill_len] = kv_indices
@@ -256,8 +270,10 @@ def release(allocator, req_to_token, row, seq_len, swa_evicted_seqlen, prefix_le
 
     ``[prefix_len, swa_evicted_seqlen)`` has no SWA KV left and is freed on the full
     side only; ``[swa_evicted_seqlen, seq_len)`` on both sides. The first
-    ``prefix_len`` slots (a shared prefix) are the caller's to keep. The row itself
-    goes back to its ``ReqToTokenPool`` separately.
+    ``prefix_len`` slots (a shared prefix) are the caller's to keep. Then
+    ``req_to_token[row, :seq_len]`` is set to 0, the prefix's entries too (read the row
+    before, to insert it into a prefix cache say), so that ``pre_alloc`` can take the row
+    again. The row itself goes back to its ``ReqToTokenPool`` separately.
     """
     _check_table(allocator, req_to_token)
     row = _row(req_to_token, row)
@@ -279,3 +295,4 @@ def release(allocator, req_to_token, row, seq_len, swa_evicted_seqlen, prefix_le
         allocator.free_segment(slots[evicted:seq_len], start_pos=evicted)
     if evicted > prefix_len:
         allocator.free_full_segment(slots[prefix_len:evicted], start_pos=prefix_len)
+    slots[:seq_len] = 0

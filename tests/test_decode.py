@@ -478,3 +478,67 @@ def test_benchmark_smoke(capsys):
     assert bench_evict.main(["--smoke", "--sizes", "2", "--windows", "3", "--page-size", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "native us" in out and "per-request us" in out and len(out.strip().splitlines()) == 2
+
+
+# --------------------------------------------------------------------------- reusing a row
+
+
+def test_pre_alloc_refuses_a_row_that_still_holds_slots():
+    ps, window = 4, 8
+    alloc = make_allocator(32 * ps, 16 * ps, ps)
+    pool = decode.ReqToTokenPool(2, 64, "cpu")
+    table = pool.req_to_token
+    kv, evicted = decode.pre_alloc(alloc, table, 0, 30, window)
+    held_row = table[0].clone()
+    before = alloc.backup_state()
+    # A second request put into row 0 before the first was released.
+    with pytest.raises(ValueError, match=r"^row: req_to_token\[0\] still holds slots"):
+        decode.pre_alloc(alloc, table, 0, 10, window)
+    assert alloc.backup_state() == before and torch.equal(table[0], held_row)
+    # A row holding a single slot anywhere counts too.
+    table[1, 40] = int(kv[0])
+    with pytest.raises(ValueError, match="row"):
+        decode.pre_alloc(alloc, table, 1, 10, window)
+    assert alloc.backup_state() == before
+    table[1].zero_()
+
+    decode.release(alloc, table, 0, 30, evicted)
+    assert not table[0].any() and whole(alloc)
+    # Released, the row takes the next request.
+    kv2, evicted2 = decode.pre_alloc(alloc, table, 0, 10, window)
+    assert table[0, :10].tolist() == kv2.tolist() and not table[0, 10:].any()
+    decode.release(alloc, table, 0, 10, evicted2)
+    assert whole(alloc)
+    alloc.check_invariants()
+
+
+def test_release_clears_the_row_prefix_included_and_a_second_release_is_refused():
+    ps, window = 4, 8
+    alloc = make_allocator(32 * ps, 16 * ps, ps)
+    pool = decode.ReqToTokenPool(1, 64, "cpu", dtype=torch.int64)
+    table = pool.req_to_token
+    prefix = alloc.alloc_extend_swa_tail(_to_tensor([0]), _to_tensor([0]), _to_tensor([8]), _to_tensor([8]),
+                                         _to_tensor([-1]), 8, 0)
+    _, evicted = decode.pre_alloc(alloc, table, 0, 30, window, prefix_indices=prefix)
+    decode.release(alloc, table, 0, 30, evicted, prefix_len=8)
+    assert not table[0].any()
+    # The prefix is still the caller's; the request's own slots are back.
+    assert alloc.full_available_size() == alloc.size_full - 8 and alloc.swa_available_size() == alloc.size_swa
+    before = alloc.backup_state()
+    with pytest.raises(ValueError, match="padding"):
+        decode.release(alloc, table, 0, 30, evicted, prefix_len=8)
+    assert alloc.backup_state() == before
+    alloc.free_full(prefix)
+    assert whole(alloc)
+
+
+def test_req_to_token_pool_clear_empties_the_rows():
+    alloc = make_allocator(64, 64, 4)
+    pool = decode.ReqToTokenPool(2, 16, "cpu")
+    rows = pool.alloc(2)
+    for row in rows:
+        assert decode.pre_alloc(alloc, pool.req_to_token, row, 9, 4) is not None
+    alloc.clear()
+    pool.clear()
+    assert pool.available_size() == 2 and not pool.req_to_token.any()
+    assert decode.pre_alloc(alloc, pool.req_to_token, pool.alloc(1)[0], 9, 4) is not None
