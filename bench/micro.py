@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -473,11 +474,11 @@ def _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case,
                     if progress:
                         print(
                             f"[{done}/{total}] {device} {op} B={B} ps={ps}: "
-                            f"native {row['native_median_us']:.2f} us, "
-                            f"baseline {row['baseline_median_us']:.2f} us, "
-                            f"floor {row['floor_median_us']:.2f} us "
-                            f"(x{row['speedup_vs_baseline']:.1f} vs baseline, "
-                            f"{row['ratio_to_floor']:.1f}x floor, {n} iters)"
+                            f"native {_fmt_us(row['native_median_us'])} µs, "
+                            f"baseline {_fmt_us(row['baseline_median_us'])} µs, "
+                            f"floor {_fmt_us(row['floor_median_us'])} µs "
+                            f"({_fmt_ratio(row['speedup_vs_baseline'])} vs baseline, "
+                            f"{_fmt_ratio(row['ratio_to_floor'])} vs floor, {n} iters)"
                             + ("" if match else "  RESULTS DIFFER"),
                             file=sys.stderr,
                             flush=True,
@@ -500,7 +501,7 @@ def goals(rows: Sequence[dict]) -> List[dict]:
             ok = r["speedup_vs_baseline"] >= g["min_speedup"] and r["ratio_to_floor"] <= g["max_floor_ratio"]
             out.append({
                 "goal": f"cpu alloc_decode B={g['batch_size']} ps={g['page_size']}: "
-                f">= {g['min_speedup']:g}x faster than baseline, <= {g['max_floor_ratio']:g}x floor",
+                f">= {g['min_speedup']:g}x vs baseline and <= {g['max_floor_ratio']:g}x vs floor",
                 "speedup_vs_baseline": r["speedup_vs_baseline"],
                 "ratio_to_floor": r["ratio_to_floor"],
                 "met": bool(ok),
@@ -509,7 +510,7 @@ def goals(rows: Sequence[dict]) -> List[dict]:
         if r["device"].startswith("cuda") and r["op"] == GOAL_CUDA["op"]:
             out.append({
                 "goal": f"cuda alloc_decode B={r['batch_size']} ps={r['page_size']}: "
-                f">= {GOAL_CUDA['min_speedup']:g}x lower host time than baseline",
+                f">= {GOAL_CUDA['min_speedup']:g}x vs baseline (host time)",
                 "speedup_vs_baseline": r["speedup_vs_baseline"],
                 "ratio_to_floor": r["ratio_to_floor"],
                 "met": bool(r["speedup_vs_baseline"] >= GOAL_CUDA["min_speedup"]),
@@ -527,6 +528,11 @@ def _fmt_us(x: float) -> str:
     return f"{x:.2f}"
 
 
+def _fmt_ratio(x: float) -> str:
+    """A ratio the one way the progress lines, the table, the goals and the README write it."""
+    return f"{x:,.0f}x" if x >= 100 else f"{x:.1f}x"
+
+
 def _cell(r, impl):
     return (
         f"{_fmt_us(r[impl + '_median_us'])} "
@@ -538,9 +544,10 @@ def to_markdown(rows: Sequence[dict]) -> str:
     """Markdown: one table (medians, p10–p90, ratios) and the goals."""
     lines = [
         "Times in µs per measured call: median (p10–p90). "
-        "`×base` = baseline median / native median; `×floor` = native median / floor median.",
+        "vs baseline = baseline median / native median (above 1x native is faster); "
+        "vs floor = native median / floor median.",
         "",
-        "| device | op | batch | page | native µs | baseline µs | floor µs | ×base | ×floor | iters |",
+        "| device | op | batch | page | native µs | baseline µs | floor µs | vs baseline | vs floor | iters |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -548,7 +555,7 @@ def to_markdown(rows: Sequence[dict]) -> str:
         lines.append(
             f"| {r['device']} | {r['op']}{flag} | {r['batch_size']} | {r['page_size']} | "
             f"{_cell(r, 'native')} | {_cell(r, 'baseline')} | {_cell(r, 'floor')} | "
-            f"{r['speedup_vs_baseline']:.1f} | {r['ratio_to_floor']:.1f} | {r['iters']} |"
+            f"{_fmt_ratio(r['speedup_vs_baseline'])} | {_fmt_ratio(r['ratio_to_floor'])} | {r['iters']} |"
         )
     ops_seen = list(dict.fromkeys(r["op"] for r in rows))
     if ops_seen:
@@ -563,8 +570,8 @@ def to_markdown(rows: Sequence[dict]) -> str:
         lines += ["", "Goals:", ""]
         for g in gs:
             lines.append(
-                f"- {g['goal']}: {g['speedup_vs_baseline']:.1f}x vs baseline, "
-                f"{g['ratio_to_floor']:.1f}x floor: **{'met' if g['met'] else 'not met'}**"
+                f"- {g['goal']}: {_fmt_ratio(g['speedup_vs_baseline'])} vs baseline, "
+                f"{_fmt_ratio(g['ratio_to_floor'])} vs floor: **{'met' if g['met'] else 'not met'}**"
             )
     return "\n".join(lines) + "\n"
 
@@ -577,7 +584,7 @@ def report(rows: Sequence[dict]) -> dict:
             "python": platform.python_version(),
             "machine": platform.machine(),
             "processor": platform.processor(),
-            "cpu_count": __import__("os").cpu_count(),
+            "cpu_count": os.cpu_count(),
             "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "window": WINDOW,
             "pool_tokens_per_request": POOL_TOKENS_PER_REQUEST,
@@ -588,31 +595,36 @@ def report(rows: Sequence[dict]) -> dict:
     }
 
 
+# Colour tells the implementations apart, marker and line style the page sizes.
+IMPL_COLORS = {"native": "#1f5fbf", "baseline": "#d0342c", "floor": "#8c8c8c"}
+PAGE_STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1, 1, 1))))
+LEGEND_INCHES = 0.45  # below the panels, so that it covers no data
+
+
 def plot(rows: Sequence[dict], path) -> None:
-    """PNG: median time vs batch size, one panel per (device, op); colour = page
-    size, line style = implementation."""
+    """PNG: median time (p10-p90 bars) vs batch size, one panel per (device, op); colour =
+    implementation, marker and line style = page size, the legend below the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     devices = list(dict.fromkeys(r["device"] for r in rows))
     ops = list(dict.fromkeys(r["op"] for r in rows))
     page_sizes = sorted({r["page_size"] for r in rows})
+    style = {ps: PAGE_STYLES[i % len(PAGE_STYLES)] for i, ps in enumerate(page_sizes)}
     ncols = min(3, max(1, len(ops)))
     per_dev = -(-len(ops) // ncols)
     nrows = max(1, per_dev * len(devices))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.8 * nrows), squeeze=False)
-    styles = {"native": "-", "baseline": "--", "floor": ":"}
-    markers = {"native": "o", "baseline": "s", "floor": "."}
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows + LEGEND_INCHES), squeeze=False)
     for ax in axes.flat:
         ax.set_visible(False)
     for di, dev in enumerate(devices):
         for oi, op in enumerate(ops):
             ax = axes[di * per_dev + oi // ncols][oi % ncols]
             ax.set_visible(True)
-            for pi, ps in enumerate(page_sizes):
+            for ps in page_sizes:
                 sel = sorted(
                     (r for r in rows if r["device"] == dev and r["op"] == op and r["page_size"] == ps),
                     key=lambda r: r["batch_size"],
@@ -620,25 +632,30 @@ def plot(rows: Sequence[dict], path) -> None:
                 if not sel:
                     continue
                 xs = [r["batch_size"] for r in sel]
+                marker, linestyle = style[ps]
                 for impl in IMPLS:
                     ys = [r[f"{impl}_median_us"] for r in sel]
                     lo = [r[f"{impl}_median_us"] - r[f"{impl}_p10_us"] for r in sel]
                     hi = [r[f"{impl}_p90_us"] - r[f"{impl}_median_us"] for r in sel]
-                    ax.errorbar(
-                        xs, ys, yerr=[lo, hi], linestyle=styles[impl], marker=markers[impl],
-                        color=colors[pi % len(colors)], capsize=2, linewidth=1.2, markersize=4,
-                        label=f"{impl} ps={ps}",
-                    )
+                    ax.errorbar(xs, ys, yerr=[lo, hi], color=IMPL_COLORS[impl], marker=marker,
+                                linestyle=linestyle, capsize=2, linewidth=1.3, markersize=4.5,
+                                markerfacecolor="white" if impl == "floor" else IMPL_COLORS[impl])
             ax.set_xscale("log", base=2)
+            batch_sizes = sorted({r["batch_size"] for r in rows if r["device"] == dev and r["op"] == op})
+            ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+            ax.minorticks_off()
             ax.set_yscale("log")
             ax.set_title(f"{dev}: {op}", fontsize=10)
             ax.set_xlabel("batch size")
-            ax.set_ylabel("µs per call (median, p10–p90)")
+            ax.set_ylabel("µs per call")
             ax.grid(True, which="both", alpha=0.3)
-            if oi == 0:
-                ax.legend(fontsize=7, ncol=1)
-    fig.suptitle("swa_ext allocator: native vs SGLang-style torch baseline vs native-call floor", fontsize=11)
-    fig.tight_layout()
+    handles = [Line2D([], [], color=IMPL_COLORS[impl], linewidth=2.5, label=impl) for impl in IMPLS]
+    handles += [Line2D([], [], color="black", marker=style[ps][0], linestyle=style[ps][1], linewidth=1.2,
+                       label=f"page size {ps}") for ps in page_sizes]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
+    fig.suptitle("swa_ext allocator: native vs SGLang-style torch baseline vs native-call floor "
+                 "(median, bars p10–p90)", fontsize=11)
+    fig.tight_layout(rect=(0, LEGEND_INCHES / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -709,7 +726,39 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_output(flag: str, out: str) -> None:
+    """Refuse, before anything is measured, a report path that cannot be written."""
+    path = Path(out)
+    if out == "":
+        raise _UsageError(f"{PROG}: error: {flag}: empty path")
+    if path.is_dir():
+        raise _UsageError(f"{PROG}: error: {flag} {out!r}: is a directory; give a file path")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise _UsageError(f"{PROG}: error: {flag} {out}: no directory {parent}")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise _UsageError(f"{PROG}: error: {flag} {out}: not writable")
+
+
+def _check_plot_format(out: str) -> None:
+    """matplotlib picks the format from the suffix; an unknown one would fail after the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(out).suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise _UsageError(f"{PROG}: error: --plot {out}: unknown image format {suffix!r}; "
+                          f"use one of {', '.join(sorted(formats))} (.png is the usual)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``swa-ext bench``: checks every argument (exit 2, one line, before any work), then
+    measures and writes the reports. The wall time it prints runs from here to the last
+    report written."""
+    started = time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
@@ -741,14 +790,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise _UsageError(
                     f"{PROG}: error: --device cuda: no GPU visible or swa_ext built without CUDA"
                 )
-        for out in (args.json, args.markdown, args.plot):
-            if out and not Path(out).resolve().parent.is_dir():
-                raise _UsageError(f"{PROG}: error: no directory for {out}")
+        for flag, out in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+            if out is not None:
+                _check_output(flag, out)
+        if args.plot:
+            _check_plot_format(args.plot)
     except _UsageError as e:
         print(e, file=sys.stderr)
         return 2
 
-    started = time.perf_counter()
+    measuring = time.perf_counter()
     rows = run(
         ops=ops,
         batch_sizes=batch_sizes,
@@ -761,9 +812,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         threads=args.threads if args.threads > 0 else None,
         flush_cache_mb=args.flush_cache_mb,
     )
+    measured = time.perf_counter() - measuring
     md = to_markdown(rows)
     print(md)
-    print(f"wall time {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.markdown:
         Path(args.markdown).write_text(md, encoding="utf-8")
     if args.json:
@@ -772,6 +823,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f.write("\n")
     if args.plot:
         plot(rows, args.plot)
+    if not args.quiet:
+        print(f"wall time {time.perf_counter() - started:.1f} s: {len(rows)} case{'' if len(rows) == 1 else 's'} "
+              f"measured in {measured:.1f} s, "
+              f"then the reports (interpreter and torch start-up not counted)", file=sys.stderr)
     return 0
 
 

@@ -7,6 +7,7 @@ No timing is asserted.
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -74,15 +75,53 @@ def test_goals_reported():
     assert "Goals:" in micro.to_markdown([row])
 
 
-@pytest.mark.parametrize("argv", [
-    ["--ops", "nope"],
-    ["--batch-sizes", "0"],
-    ["--page-sizes", "x"],
-    ["--iters", "0"],
-    ["--flush-cache-mb", "-1"],
-    ["--json", "/nonexistent-dir/x.json"],
-])
-def test_main_bad_input(argv, capsys):
+BAD_ARGUMENTS = {
+    "unknown op": (["--ops", "nope"], "unknown op"),
+    "zero batch": (["--batch-sizes", "0"], "--batch-sizes"),
+    "page size not a number": (["--page-sizes", "x"], "--page-sizes"),
+    "zero iterations": (["--iters", "0"], "--iters"),
+    "negative flush": (["--flush-cache-mb", "-1"], "--flush-cache-mb"),
+    "json in a missing directory": (["--json", "/nonexistent-dir/x.json"], "no directory"),
+    "markdown is a directory": (["--markdown", "{tmp}"], "--markdown"),
+    "json is a directory": (["--json", "{tmp}"], "--json"),
+    "plot is a directory": (["--plot", "{tmp}"], "--plot"),
+    "empty markdown path": (["--markdown", ""], "empty path"),
+    "plot format unknown": (["--plot", "{tmp}/bench.txt"], "unknown image format"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_bad_arguments_fail_in_one_line_before_any_work(case, tmp_path, capsys, monkeypatch):
+    argv, says = BAD_ARGUMENTS[case]
+    argv = [a.format(tmp=tmp_path) for a in argv]
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the benchmark ran before its arguments were checked")
+
+    monkeypatch.setattr(micro, "run", no_work)
     assert micro.main(argv + ["--smoke", "--quiet"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("swa-ext bench: error:") and "\n" not in err
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("swa-ext bench: error:") and "\n" not in err and says in err, err
+    assert captured.out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_one_ratio_notation_in_progress_table_and_goals(capsys):
+    rc = micro.main(["--smoke", "--device", "cpu", "--ops", "alloc_decode", "--batch-sizes", "1",
+                     "--page-sizes", "64"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    progress, wall = captured.err.strip().splitlines()
+    assert re.fullmatch(r"\[1/1\] cpu alloc_decode B=1 ps=64: native [\d.,]+ µs, baseline [\d.,]+ µs, "
+                        r"floor [\d.,]+ µs \([\d.,]+x vs baseline, [\d.,]+x vs floor, 3 iters\)", progress), progress
+    row = [line for line in captured.out.splitlines() if line.startswith("| cpu | alloc_decode |")]
+    assert len(row) == 1 and re.search(r"\| [\d.,]+x \| [\d.,]+x \| 3 \|$", row[0]), row
+    assert "×" not in captured.out and " x" not in progress
+    # The wall time covers the whole command after start-up, measuring included.
+    total, measured = map(float, re.fullmatch(r"wall time ([\d.]+) s: 1 case measured in ([\d.]+) s, .*",
+                                               wall).groups())
+    assert total >= measured
+    goal_line = micro.to_markdown([dict(micro.run(ops=["alloc_decode"], batch_sizes=[1], page_sizes=[64],
+                                                  devices=["cpu"], smoke=True)[0], batch_size=256)])
+    assert re.search(r"- cpu alloc_decode B=256 ps=64: >= 10x vs baseline and <= 3x vs floor: "
+                     r"[\d.,]+x vs baseline, [\d.,]+x vs floor: \*\*(met|not met)\*\*", goal_line), goal_line
