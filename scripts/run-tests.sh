@@ -1,9 +1,25 @@
 #!/usr/bin/env bash
 # Every test: the C++ core's unit tests (ctest) and the Python suite (pytest).
-# Extra arguments go to pytest (for example --slow for the long fuzzing budgets).
+# Arguments go to pytest. Options alone (--slow for the long fuzzing budgets, -x, -k EXPR,
+# -m EXPR) apply to the whole run; test paths or node ids (tests/test_cli.py,
+# tests/test_decode.py::test_x) run only those, with pytest, and skip ctest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup-env.sh"
+
+# A test selection is an argument that names an existing file or directory, from the
+# current directory (a node id is a path followed by ::). Option values such as -k's
+# expression name none.
+selected=()
+for arg in "$@"; do
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+    selected+=("$arg")
+  fi
+done
+if (( ${#selected[@]} )); then
+  echo "run-tests: pytest on the tests named (${selected[*]}); ctest skipped" >&2
+  exec "$VENV/bin/python" -m pytest -q "$@"
+fi
 
 if [[ ! -f /usr/include/gtest/gtest.h ]]; then
   if [[ "$(id -u)" == 0 ]]; then
