@@ -34,6 +34,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -760,14 +761,14 @@ def plot(scenario: Scenario, results: dict[str, PolicyResult], path: str) -> Non
         axes[1].axhline(r.pool_full_pages * page_gib["full"], color=color, ls=":", lw=0.8)
         axes[2].plot(t, [p * page_gib["swa"] for p in r.timeline_swa_pages], **style)
         axes[2].axhline(r.pool_swa_pages * page_gib["swa"], color=color, ls=":", lw=0.8)
-    axes[0].set_ylabel("running requests\n(dotted: capacity bound)")
+    axes[0].set_ylabel("running requests\n(dotted: bound of the mean)")
     axes[1].set_ylabel("full pool in use (GiB)\n(dotted: pool size)")
     axes[2].set_ylabel("SWA pool in use (GiB)\n(dotted: pool size)")
     axes[2].set_xlabel("simulated time (s)")
     axes[0].legend(loc="upper right", fontsize="small")
     ratios = ", ".join(f"{label} {r.swa_ratio:g}" for label, r in shown.items())
     axes[0].set_title(
-        f"{scenario.model.name} on {scenario.trace}, {len(scenario.requests)} requests, "
+        f"{scenario.model.name} on {Path(scenario.trace).name}, {len(scenario.requests)} requests, "
         f"{scenario.kv_memory_gib:g} GiB KV, page {ps}, time scale {scenario.time_scale:g}\nSWA ratio: {ratios}",
         fontsize="medium",
     )
