@@ -2,6 +2,7 @@
 import torch  # noqa: F401  (loads libtorch, which the native module links against)
 
 from . import _C
+from ._version import __version__
 from .allocator import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 
 ConcurrentUseError = _C.ConcurrentUseError
@@ -20,5 +21,6 @@ __all__ = [
     "PagedTokenToKVPoolAllocator",
     "SWATokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
+    "__version__",
     "built_with_cuda",
 ]

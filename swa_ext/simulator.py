@@ -2,20 +2,29 @@
 step over a request trace with the real ``swa_ext`` allocator and the
 ``swa_ext.decode`` lifecycle.
 
-Each step: requests that have arrived are preallocated in FIFO order while the
-pools can hold them and still leave the pages this step's decode takes; the
-batch decodes one token per request (one ``alloc_decode``); SWA KV that fell out
-of the window is freed; finished requests are released. When the decode allocation is refused,
-the newest running request is retracted (released and put back at the head of
-the queue, keeping the tokens it has produced) and the allocation retried.
+Each step the node (``DecodeNode``):
+- admits queued requests in FIFO order, as SGLang's PD decode node does
+  (``DecodePreallocQueue``): a request is preallocated only while the pools hold
+  its KV plus ``reserved_decode_tokens`` of decode room for it and for every
+  running request; a retracted request waits at the head of the queue, so new
+  requests pass it only once it has resumed;
+- decodes one token per running request (one ``alloc_decode``); when that is
+  refused, the newest running request is retracted (its KV released, to be
+  transferred or recomputed again when it resumes) and the allocation retried;
+- frees the SWA KV that fell out of the window;
+- releases finished requests.
 
-Three policies share the trace and the KV memory budget:
-- ``full``: SWA layers keep every token (no SWA support): the SWA pool is as
-  large as the full pool and nothing is evicted;
+Three policies replay the same requests with the same KV memory:
+- ``full``: SWA layers keep every token (an engine without SWA support): the SWA
+  pool is as large as the full pool and nothing is evicted;
 - ``evict``: the whole prompt is allocated on both pools, then out-of-window SWA
   KV is freed while decoding;
 - ``tail``: only the window tail of the prompt gets SWA KV at preallocation,
   then eviction as in ``evict``.
+
+A request that cannot run on a policy's empty node is ``rejected`` by that policy
+alone. ``evict`` and ``tail`` are each run at their best SWA ratio of a coarse
+sweep and at SGLang's default ``swa_full_tokens_ratio``, unless a ratio is pinned.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -33,6 +43,16 @@ from swa_ext.models import ModelConfig
 from swa_ext.traces import Request
 
 POLICIES = ("full", "evict", "tail")
+EVICTING = ("evict", "tail")
+
+# SGLang's swa_full_tokens_ratio when the server is not told one.
+SGLANG_DEFAULT_SWA_RATIO = 0.8
+# SGLang's num_reserved_decode_tokens default.
+DEFAULT_RESERVED_DECODE_TOKENS = 512
+# SWA ratios tried for evict and tail: a coarse grid from 1% to 1.
+SWA_RATIO_SWEEP = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0)
+# req_to_token holds int32 slot ids, as SGLang's does.
+MAX_POOL_TOKENS = 2**31 - 1
 
 GIB = 1 << 30
 
@@ -52,22 +72,11 @@ def tail_swa_pages_bound(window: int, page_size: int) -> int:
     return _cdiv(window + 1, page_size) + 1
 
 
-def default_swa_ratio(model: ModelConfig, requests: list[Request], page_size: int) -> float:
-    """SWA pool tokens per full pool token for `evict` and `tail`: the SWA tokens
-    the requests hold under window eviction at their final length, over their full
-    tokens. With every request resident, both pools would then fill together."""
-    span = tail_swa_pages_bound(model.window, page_size) * page_size
-    total = sum(r.prompt_len + r.output_len for r in requests)
-    if total == 0:
-        return 1.0
-    swa = sum(min(r.prompt_len + r.output_len, span) for r in requests)
-    return min(1.0, swa / total)
-
-
 def pool_sizes(model: ModelConfig, kv_memory_bytes: float, page_size: int, swa_ratio: float) -> tuple[int, int]:
     """Token sizes (size_full, size_swa) of the two pools that fit the budget when
-    the SWA pool holds ``swa_ratio`` tokens per full pool token. Sizes are whole
-    pages; one page of each pool is the padding page and is not counted."""
+    the SWA pool holds ``swa_ratio`` tokens per full pool token (SGLang's
+    ``swa_full_tokens_ratio``). Sizes are whole pages; one page of each pool is the
+    padding page and is not counted."""
     bytes_per_full_token = model.full_bytes_per_token + swa_ratio * model.swa_bytes_per_token
     full_pages = int(kv_memory_bytes // (bytes_per_full_token * page_size))
     swa_pages = int(full_pages * swa_ratio)
@@ -75,25 +84,86 @@ def pool_sizes(model: ModelConfig, kv_memory_bytes: float, page_size: int, swa_r
 
 
 @dataclass(frozen=True)
-class Node:
-    """What every policy of one run shares: the model, the step and time scale,
-    the requests replayed, and each policy's pool sizes (same total bytes)."""
+class Scenario:
+    """What every policy's run shares: the model, the node's KV memory and page
+    size, the step and time scale, the admission reserve and the requests."""
 
     model: ModelConfig
+    trace: str
     page_size: int
     kv_memory_gib: float
-    swa_ratio: float
     step_ms: float
     time_scale: float
+    reserved_decode_tokens: int
     requests: list[Request]
+    trace_requests: int  # read from the trace
     skipped_over_context: int
-    skipped_over_memory: int
     skipped_no_output: int
-    pools: dict[str, tuple[int, int]]
 
-    @property
-    def skipped(self) -> int:
-        return self.skipped_over_context + self.skipped_over_memory + self.skipped_no_output
+
+def plan_scenario(
+    requests: list[Request],
+    model: ModelConfig,
+    *,
+    trace: str = "",
+    page_size: int = 64,
+    kv_memory_gib: float = 40.0,
+    step_ms: float = 20.0,
+    time_scale: float = 1.0,
+    reserved_decode_tokens: int = DEFAULT_RESERVED_DECODE_TOKENS,
+) -> Scenario:
+    """Check the settings and keep the requests a node of this model can serve at
+    all: prompt plus output within the model's context, at least one token to
+    decode. These are skipped under every policy alike; memory is judged per policy."""
+    if page_size < 1:
+        raise SimulationError(f"page size must be positive, got {page_size}")
+    for name, value in (("KV memory", kv_memory_gib), ("step time", step_ms), ("time scale", time_scale)):
+        if not (value > 0 and math.isfinite(value)):
+            raise SimulationError(f"{name} must be positive and finite, got {value}")
+    if reserved_decode_tokens < 0:
+        raise SimulationError(f"reserved decode tokens must be >= 0, got {reserved_decode_tokens}")
+    in_context = [r for r in requests if r.prompt_len + r.output_len <= model.context_len]
+    with_output = [r for r in in_context if r.output_len > 0]
+    if not with_output:
+        raise SimulationError("no request of the trace fits the model's context and has output")
+    return Scenario(
+        model=model,
+        trace=trace,
+        page_size=page_size,
+        kv_memory_gib=kv_memory_gib,
+        step_ms=step_ms,
+        time_scale=time_scale,
+        reserved_decode_tokens=reserved_decode_tokens,
+        requests=with_output,
+        trace_requests=len(requests),
+        skipped_over_context=len(requests) - len(in_context),
+        skipped_no_output=len(in_context) - len(with_output),
+    )
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """One policy's node: its SWA ratio and the pool sizes (tokens) it gives."""
+
+    policy: str
+    swa_ratio: float
+    size_full: int
+    size_swa: int
+
+
+def policy_config(scenario: Scenario, policy: str, swa_ratio: float) -> PolicyConfig:
+    """``full`` always gets ratio 1: its SWA pool holds the same tokens as its full
+    pool, so any other ratio would leave memory unused."""
+    if policy not in POLICIES:
+        raise SimulationError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    ratio = 1.0 if policy == "full" else swa_ratio
+    size_full, size_swa = pool_sizes(scenario.model, scenario.kv_memory_gib * GIB, scenario.page_size, ratio)
+    if size_full > MAX_POOL_TOKENS:
+        raise SimulationError(
+            f"{scenario.kv_memory_gib:g} GiB of KV memory gives the {policy!r} policy a full pool of "
+            f"{size_full} tokens, more than the {MAX_POOL_TOKENS} int32 slot ids of req_to_token"
+        )
+    return PolicyConfig(policy, ratio, size_full, size_swa)
 
 
 def _pages_needed(policy: str, total_len: int, window: int, page_size: int) -> tuple[int, int]:
@@ -104,88 +174,78 @@ def _pages_needed(policy: str, total_len: int, window: int, page_size: int) -> t
     return full + 1, swa + 1
 
 
-def plan_node(
-    requests: list[Request],
-    model: ModelConfig,
-    *,
-    page_size: int = 64,
-    kv_memory_gib: float = 40.0,
-    swa_ratio: float | None = None,
-    step_ms: float = 20.0,
-    time_scale: float = 1.0,
-) -> Node:
-    """Size the pools and choose the requests to replay. A request is skipped,
-    under every policy alike, when its prompt plus output exceeds the model's
-    context, when it has no output to decode, or when it would not fit an empty
-    node under one of the policies."""
-    if page_size < 1:
-        raise SimulationError(f"page size must be positive, got {page_size}")
-    if swa_ratio is not None and not 0 < swa_ratio <= 1:
-        raise SimulationError(f"SWA ratio must be in (0, 1], got {swa_ratio}")
-    if kv_memory_gib <= 0 or step_ms <= 0 or time_scale <= 0:
-        raise SimulationError("KV memory, step time and time scale must be positive")
-    in_context = [r for r in requests if r.prompt_len + r.output_len <= model.context_len]
-    with_output = [r for r in in_context if r.output_len > 0]
-    ratio = swa_ratio if swa_ratio is not None else default_swa_ratio(model, with_output, page_size)
-    budget = kv_memory_gib * GIB
-    pools = {
-        policy: pool_sizes(model, budget, page_size, 1.0 if policy == "full" else ratio)
-        for policy in POLICIES
-    }
+def fits_empty_node(scenario: Scenario, config: PolicyConfig, request: Request) -> bool:
+    ps = scenario.page_size
+    full, swa = _pages_needed(config.policy, request.prompt_len + request.output_len, scenario.model.window, ps)
+    return full <= config.size_full // ps and swa <= config.size_swa // ps
 
-    def fits(r: Request) -> bool:
-        for policy, (size_full, size_swa) in pools.items():
-            full, swa = _pages_needed(policy, r.prompt_len + r.output_len, model.window, page_size)
-            if full > size_full // page_size or swa > size_swa // page_size:
-                return False
-        return True
 
-    replayed = [r for r in with_output if fits(r)]
-    if with_output and not replayed:
-        shortest = min(with_output, key=lambda r: r.prompt_len + r.output_len)
-        full_tokens = pools["full"][0]
-        raise SimulationError(
-            f"{kv_memory_gib:g} GiB of KV memory is too small for one request: the "
-            f"'full' policy's pools hold {full_tokens} tokens each, the shortest "
-            f"request needs {shortest.prompt_len + shortest.output_len} plus a page"
-        )
-    if not replayed:
-        raise SimulationError("no request of the trace fits the model's context and has output")
-    return Node(
-        model=model,
-        page_size=page_size,
-        kv_memory_gib=kv_memory_gib,
-        swa_ratio=ratio,
-        step_ms=step_ms,
-        time_scale=time_scale,
-        requests=replayed,
-        skipped_over_context=len(requests) - len(in_context),
-        skipped_no_output=len(in_context) - len(with_output),
-        skipped_over_memory=len(with_output) - len(replayed),
-        pools=pools,
+def _sum_cdiv(n: int, page_size: int) -> int:
+    """sum(ceil(x / page_size) for x in 1..n)."""
+    if n <= 0:
+        return 0
+    q, r = divmod(n, page_size)
+    return page_size * q * (q + 1) // 2 + r * (q + 1)
+
+
+def _sum_floor(n: int, page_size: int) -> int:
+    """sum(floor(y / page_size) for y in 0..n); 0 for n < 0."""
+    if n < 0:
+        return 0
+    q, r = divmod(n + 1, page_size)
+    return page_size * q * (q - 1) // 2 + r * q
+
+
+def capacity_bound(scenario: Scenario, config: PolicyConfig, requests: list[Request]) -> float:
+    """The most requests the policy's pools can hold on average over the run: the
+    pool's pages over the pages a running request of these requests holds at
+    least, averaged over its decode steps. Every request decodes each of its
+    tokens once, in a step where it holds at least the pages of its length so
+    far (full pool, and ``full``'s SWA pool) or of its last ``window`` tokens
+    (an evicting SWA pool), so no run's ``mean_running`` exceeds this."""
+    ps, window = scenario.page_size, scenario.model.window
+    decode_steps = full_page_steps = swa_page_steps = 0
+    for r in requests:
+        start, end = r.prompt_len, r.prompt_len + r.output_len  # lengths after each step: start+1..end
+        full = _sum_cdiv(end, ps) - _sum_cdiv(start, ps)
+        decode_steps += r.output_len
+        full_page_steps += full
+        if config.policy == "full":
+            swa_page_steps += full
+        else:
+            # Pages spanning [max(0, len - window), len).
+            swa_page_steps += full - (_sum_floor(end - window, ps) - _sum_floor(start - window, ps))
+    if not decode_steps:
+        return 0.0
+    return min(
+        config.size_full // ps * decode_steps / full_page_steps,
+        config.size_swa // ps * decode_steps / swa_page_steps,
     )
 
 
 @dataclass
 class PolicyResult:
     policy: str
+    swa_ratio: float
     size_full: int
     size_swa: int
     page_size: int
     requests: int
-    skipped: int
+    rejected: int = 0
     completed: int = 0
     retractions: int = 0
-    retracted_tokens: int = 0  # tokens held by retracted requests, prefilled again later
+    retracted_tokens: int = 0  # tokens held by retracted requests, transferred or recomputed again
+    retracted_gib: float = 0.0  # their KV bytes
+    transfer_gib: float = 0.0  # KV bytes preallocated for transfer, resumed requests included
     steps: int = 0
     max_running: int = 0
     mean_running: float = 0.0
+    capacity_bound: float = 0.0
     peak_full_pages: int = 0
     peak_swa_pages: int = 0
     max_swa_pages_per_request: int = 0
     queue_wait_p50_steps: float = 0.0
     queue_wait_p99_steps: float = 0.0
-    decode_tokens_per_step: float = 0.0
     alloc_us_per_step_median: float = 0.0
     # One entry per simulated step with a batch: the step, the batch size at
     # decode, and the pages in use on each pool right after the decode allocation
@@ -196,29 +256,53 @@ class PolicyResult:
     timeline_swa_pages: list[int] = field(default_factory=list)
     # Final length of every completed request, by trace position.
     completed_lens: dict[int, int] = field(default_factory=dict)
+    # The SWA ratios tried for this policy, when it was swept: one summary each.
+    sweep: list[dict] = field(default_factory=list)
 
     SUMMARY_KEYS = (
+        "swa_ratio",
+        "pool_full_pages",
+        "pool_swa_pages",
+        "rejected",
         "completed",
         "retractions",
+        "retracted_tokens",
+        "retracted_gib",
+        "transfer_gib",
         "max_running",
         "mean_running",
+        "capacity_bound",
+        "bound_reached",
         "peak_full_pages",
         "peak_swa_pages",
         "max_swa_pages_per_request",
         "queue_wait_p50_steps",
         "queue_wait_p99_steps",
-        "decode_tokens_per_step",
-        "alloc_us_per_step_median",
-        "retracted_tokens",
         "steps",
-        "skipped",
+        "alloc_us_per_step_median",
     )
+    SWEEP_KEYS = ("swa_ratio", "rejected", "retractions", "mean_running", "capacity_bound")
+
+    @property
+    def bound_reached(self) -> float:
+        return self.mean_running / self.capacity_bound if self.capacity_bound else 0.0
+
+    @property
+    def pool_full_pages(self) -> int:
+        return self.size_full // self.page_size
+
+    @property
+    def pool_swa_pages(self) -> int:
+        return self.size_swa // self.page_size
 
     def summary(self) -> dict:
         out = {k: getattr(self, k) for k in self.SUMMARY_KEYS}
-        out["pool_full_pages"] = self.size_full // self.page_size
-        out["pool_swa_pages"] = self.size_swa // self.page_size
+        if self.sweep:
+            out["swa_ratio_sweep"] = self.sweep
         return out
+
+    def sweep_point(self) -> dict:
+        return {k: getattr(self, k) for k in self.SWEEP_KEYS}
 
 
 def _percentile(values: list[int], q: float) -> float:
@@ -249,243 +333,444 @@ def default_allocator(size_full: int, size_swa: int, page_size: int):
     return SWATokenToKVPoolAllocator(size_full, size_swa, page_size, torch.bfloat16, "cpu")
 
 
-def simulate(node: Node, policy: str, *, allocator_factory=default_allocator, progress: bool = False) -> PolicyResult:
-    """Replay ``node.requests`` under one policy; ``allocator_factory(size_full,
-    size_swa, page_size)`` builds the allocator."""
-    from swa_ext import decode
+def _max_resident(requests: list[Request], full_pages: int, page_size: int) -> int:
+    """The most requests that can be resident at once: each holds at least its
+    prompt's full pages. Sizes the req_to_token table."""
+    resident = used = 0
+    for pages in sorted(_cdiv(r.prompt_len, page_size) for r in requests):
+        used += pages
+        if used > full_pages:
+            break
+        resident += 1
+    return max(resident, 1)
 
-    if policy not in POLICIES:
-        raise SimulationError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-    requests = node.requests
-    ps = node.page_size
-    window = node.model.window
-    evicts = policy != "full"
-    size_full, size_swa = node.pools[policy]
-    allocator = allocator_factory(size_full, size_swa, ps)
-    full_pages_total = size_full // ps
-    swa_pages_total = size_swa // ps
 
-    n = len(requests)
-    targets = [r.prompt_len + r.output_len for r in requests]
-    max_len = max(targets)
-    # Every running request holds at least one full page.
-    req_pool = decode.ReqToTokenPool(min(n, full_pages_total), max_len, "cpu", dtype=torch.int64)
-    req_to_token = req_pool.req_to_token
+class DecodeNode:
+    """One policy's decode node replaying a scenario's requests: ``run`` calls
+    ``arrive``, ``admit``, ``decode``, ``evict`` and ``finish`` once per step."""
 
-    steps_per_s = 1000.0 / node.step_ms
-    arrival_step = [int(r.arrival_s * node.time_scale * steps_per_s) for r in requests]
-    waited = [0] * n  # steps in the queue, over all of a request's admissions
-    completed_waits: list[int] = []
-    enqueued_at = [0] * n
-    queue: deque[tuple[int, int]] = deque()  # (request, tokens to preallocate)
+    def __init__(self, scenario: Scenario, config: PolicyConfig, *, allocator_factory=default_allocator):
+        from swa_ext import decode
 
-    # The running batch in admission order (so the newest is last).
-    batch_req: list[int] = []
-    rows = torch.empty(0, dtype=torch.int64)
-    seq_lens = torch.empty(0, dtype=torch.int64)  # committed lengths
-    evicted = torch.empty(0, dtype=torch.int64)
-    target_lens = torch.empty(0, dtype=torch.int64)
+        self._decode = decode
+        self.scenario = scenario
+        self.config = config
+        self.page_size = ps = scenario.page_size
+        self.window = scenario.model.window
+        self.reserve = scenario.reserved_decode_tokens
+        # The most SWA tokens a request holds under eviction (page granular).
+        self.swa_span = tail_swa_pages_bound(self.window, ps) * ps
+        self.requests = [r for r in scenario.requests if fits_empty_node(scenario, config, r)]
+        # No allocator for a node that rejects every request: its pools may be empty.
+        self.allocator = allocator_factory(config.size_full, config.size_swa, ps) if self.requests else None
+        self.targets = [r.prompt_len + r.output_len for r in self.requests]
+        n = len(self.requests)
+        rows = _max_resident(self.requests, config.size_full // ps, ps) if n else 1
+        self.req_pool = decode.ReqToTokenPool(rows, max(self.targets, default=1), "cpu", dtype=torch.int32)
+        self.req_to_token = self.req_pool.req_to_token
 
-    res = PolicyResult(policy, size_full, size_swa, ps, requests=n, skipped=node.skipped)
-    alloc_us: list[float] = []
-    # One token per running request per step: the decode tokens are also the
-    # running-request steps.
-    decode_tokens = 0
-    next_arrival = 0
-    step = arrival_step[0]
-    first_step = step
-    last_step = step
+        steps_per_s = 1000.0 / scenario.step_ms
+        self.arrival_step = [int(r.arrival_s * scenario.time_scale * steps_per_s) for r in self.requests]
+        self.waited = [0] * n  # steps in the queue, over all of a request's admissions
+        self.enqueued_at = [0] * n
+        self.completed_waits: list[int] = []
+        self.queue: deque[tuple[int, int]] = deque()  # (request, tokens to preallocate)
+        self.next_arrival = 0
 
-    def retract_newest() -> None:
-        nonlocal rows, seq_lens, evicted, target_lens
-        i = batch_req.pop()
-        row, seq_len, ev = int(rows[-1]), int(seq_lens[-1]), int(evicted[-1])
-        with watch:
-            decode.release(allocator, req_to_token, row, seq_len, ev)
-        req_pool.free(row)
-        rows, seq_lens, evicted, target_lens = rows[:-1], seq_lens[:-1], evicted[:-1], target_lens[:-1]
-        queue.appendleft((i, seq_len))
-        enqueued_at[i] = step
-        res.retractions += 1
-        res.retracted_tokens += seq_len
+        # The running batch in admission order (so the newest is last).
+        self.batch_req: list[int] = []
+        self.rows = torch.empty(0, dtype=torch.int64)
+        self.seq_lens = torch.empty(0, dtype=torch.int64)  # committed lengths
+        self.evicted = torch.empty(0, dtype=torch.int64)
+        self.target_lens = torch.empty(0, dtype=torch.int64)
 
-    bar = tqdm(total=n, desc=f"{node.model.name} {policy}", unit="req", disable=None if progress else True, leave=False)
-    with bar:
-        while res.completed < n:
-            while next_arrival < n and arrival_step[next_arrival] <= step:
-                queue.append((next_arrival, requests[next_arrival].prompt_len))
-                enqueued_at[next_arrival] = arrival_step[next_arrival]
-                next_arrival += 1
-            if not batch_req and not queue:
-                step = arrival_step[next_arrival]
-                continue
-            watch = _Stopwatch()  # allocator calls of this step
+        self.result = PolicyResult(
+            config.policy, config.swa_ratio, config.size_full, config.size_swa, ps,
+            requests=len(scenario.requests), rejected=len(scenario.requests) - n,
+            capacity_bound=capacity_bound(scenario, config, self.requests),
+        )
+        self.watch = _Stopwatch()  # allocator calls of the current step
 
-            # Admission, FIFO, while the pools hold the request and leave the
-            # pages the coming decode step takes (a request whose committed length
-            # is a page multiple starts a new page).
-            free_full = allocator.full_available_size() // ps
-            free_swa = allocator.swa_available_size() // ps
-            step_pages = int((seq_lens % ps == 0).sum())
-            new_req, new_rows, new_seq, new_ev = [], [], [], []
-            while queue:
-                i, fill = queue[0]
-                admit_window = window if policy == "tail" else fill
-                tail = decode.swa_tail_len(fill, admit_window, ps)
-                first_page = int(fill % ps == 0)
-                need_full = _cdiv(fill, ps) + first_page
-                need_swa = _cdiv(tail, ps) + first_page
-                if need_full + step_pages > free_full or need_swa + step_pages > free_swa:
+    # -- the policy's rules ------------------------------------------------
+
+    def _prealloc_window(self, fill: int) -> int:
+        """The window ``pre_alloc`` gives SWA KV for: tail preallocates the window
+        tail, the other policies the whole prompt."""
+        return self.window if self.config.policy == "tail" else fill
+
+    def _swa_fill(self, fill: int) -> int:
+        """SWA tokens preallocated for a request of ``fill`` tokens."""
+        return self._decode.swa_tail_len(fill, self._prealloc_window(fill), self.page_size)
+
+    def _swa_room(self, held: torch.Tensor) -> torch.Tensor:
+        """SWA decode room kept for requests holding ``held`` SWA tokens: the reserve,
+        but under eviction no more than they can still grow (at least one page, the
+        decode step allocates before it evicts)."""
+        if self.config.policy == "full":
+            return torch.full_like(held, self.reserve)
+        return (self.swa_span - held).clamp(min=self.page_size).clamp(max=self.reserve)
+
+    def _transfer_gib(self, fill: int) -> float:
+        """KV a request of ``fill`` tokens receives at preallocation."""
+        m = self.scenario.model
+        return (fill * m.full_bytes_per_token + self._swa_fill(fill) * m.swa_bytes_per_token) / GIB
+
+    # -- one step ------------------------------------------------------------
+
+    def arrive(self, step: int) -> None:
+        n = len(self.requests)
+        while self.next_arrival < n and self.arrival_step[self.next_arrival] <= step:
+            i = self.next_arrival
+            self.queue.append((i, self.requests[i].prompt_len))
+            self.enqueued_at[i] = self.arrival_step[i]
+            self.next_arrival += 1
+
+    def admit(self, step: int) -> None:
+        """FIFO while the pools hold the head request's KV and decode room for it and
+        for every running request (SGLang's ``num_reserved_decode_tokens``). A lone
+        request needs no room: it has the whole node, which it fits."""
+        ps, alloc = self.page_size, self.allocator
+        held_swa = torch.div(self.seq_lens + ps - 1, ps, rounding_mode="floor") * ps - self.evicted
+        room_full = self.reserve * len(self.batch_req)
+        room_swa = int(self._swa_room(held_swa).sum())
+        new_req, new_rows, new_seq, new_ev = [], [], [], []
+        while self.queue:
+            i, fill = self.queue[0]
+            swa_fill = _cdiv(self._swa_fill(fill), ps) * ps
+            new_room_swa = int(self._swa_room(torch.tensor([swa_fill]))[0])
+            if self.batch_req or new_req:
+                need_full = _cdiv(fill, ps) * ps + self.reserve
+                if (need_full > alloc.full_available_size() - room_full
+                        or swa_fill + new_room_swa > alloc.swa_available_size() - room_swa):
                     break
-                got = req_pool.alloc(1)
-                if got is None:
-                    break
-                with watch:
-                    placed = decode.pre_alloc(allocator, req_to_token, got[0], fill, admit_window)
-                if placed is None:
-                    req_pool.free(got[0])
-                    break
-                queue.popleft()
-                waited[i] += step - enqueued_at[i]
-                free_full -= need_full - first_page
-                free_swa -= need_swa - first_page
-                step_pages += first_page
-                new_req.append(i)
-                new_rows.append(got[0])
-                new_seq.append(fill)
-                new_ev.append(placed[1])
-            if new_req:
-                batch_req.extend(new_req)
-                rows = torch.cat([rows, torch.tensor(new_rows, dtype=torch.int64)])
-                seq_lens = torch.cat([seq_lens, torch.tensor(new_seq, dtype=torch.int64)])
-                evicted = torch.cat([evicted, torch.tensor(new_ev, dtype=torch.int64)])
-                target_lens = torch.cat([target_lens, torch.tensor([targets[i] for i in new_req], dtype=torch.int64)])
+            got = self.req_pool.alloc(1)
+            if got is None:
+                break
+            with self.watch:
+                placed = self._decode.pre_alloc(alloc, self.req_to_token, got[0], fill, self._prealloc_window(fill))
+            if placed is None:
+                self.req_pool.free(got[0])
+                break
+            self.queue.popleft()
+            self.waited[i] += step - self.enqueued_at[i]
+            self.result.transfer_gib += self._transfer_gib(fill)
+            room_full += self.reserve
+            room_swa += new_room_swa
+            new_req.append(i)
+            new_rows.append(got[0])
+            new_seq.append(fill)
+            new_ev.append(placed[1])
+        if new_req:
+            self.batch_req.extend(new_req)
+            self.rows = torch.cat([self.rows, torch.tensor(new_rows, dtype=torch.int64)])
+            self.seq_lens = torch.cat([self.seq_lens, torch.tensor(new_seq, dtype=torch.int64)])
+            self.evicted = torch.cat([self.evicted, torch.tensor(new_ev, dtype=torch.int64)])
+            self.target_lens = torch.cat(
+                [self.target_lens, torch.tensor([self.targets[i] for i in new_req], dtype=torch.int64)])
 
-            # One decode token per running request.
-            while batch_req:
-                new_lens = seq_lens + 1
-                last_loc = req_to_token[rows, seq_lens - 1]
-                with watch:
-                    out = allocator.alloc_decode(new_lens, new_lens, last_loc)
-                if out is not None:
-                    req_to_token[rows, seq_lens] = out
-                    seq_lens = new_lens
-                    break
-                retract_newest()
-            bs = len(batch_req)
-            if bs:
-                full_used = full_pages_total - allocator.full_available_size() // ps
-                swa_used = swa_pages_total - allocator.swa_available_size() // ps
-                per_req_swa = int((torch.div(seq_lens + ps - 1, ps, rounding_mode="floor") - evicted // ps).max())
-                res.timeline_step.append(step)
-                res.timeline_running.append(bs)
-                res.timeline_full_pages.append(full_used)
-                res.timeline_swa_pages.append(swa_used)
-                res.max_running = max(res.max_running, bs)
-                res.peak_full_pages = max(res.peak_full_pages, full_used)
-                res.peak_swa_pages = max(res.peak_swa_pages, swa_used)
-                res.max_swa_pages_per_request = max(res.max_swa_pages_per_request, per_req_swa)
-                decode_tokens += bs
+    def _keep(self, keep: torch.Tensor) -> None:
+        self.batch_req = [r for r, k in zip(self.batch_req, keep.tolist()) if k]
+        self.rows, self.seq_lens = self.rows[keep], self.seq_lens[keep]
+        self.evicted, self.target_lens = self.evicted[keep], self.target_lens[keep]
 
-                if evicts:
-                    pre_lens = seq_lens - 1
-                    with watch:
-                        evicted = decode.evict_out_of_window(allocator, req_to_token, rows, pre_lens, evicted, window)
+    def _release(self, k: int) -> int:
+        """Free the KV and the row of batch entry ``k``; its committed length."""
+        row, seq_len = int(self.rows[k]), int(self.seq_lens[k])
+        with self.watch:
+            self._decode.release(self.allocator, self.req_to_token, row, seq_len, int(self.evicted[k]))
+        self.req_pool.free(row)
+        return seq_len
 
-                done = seq_lens >= target_lens
-                if bool(done.any()):
-                    for k in done.nonzero().flatten().tolist():
-                        row, seq_len, i = int(rows[k]), int(seq_lens[k]), batch_req[k]
-                        with watch:
-                            decode.release(allocator, req_to_token, row, seq_len, int(evicted[k]))
-                        req_pool.free(row)
-                        res.completed_lens[requests[i].rid] = seq_len
-                        completed_waits.append(waited[i])
-                    keep = ~done
-                    batch_req = [r for r, d in zip(batch_req, done.tolist()) if not d]
-                    rows, seq_lens, evicted, target_lens = rows[keep], seq_lens[keep], evicted[keep], target_lens[keep]
-                    finished = int(done.sum())
-                    res.completed += finished
-                    bar.update(finished)
-                    last_step = step
-            alloc_us.append(watch.total * 1e6)
-            step += 1
+    def retract_newest(self, step: int) -> None:
+        """Release the newest request and queue it first, with the tokens it has."""
+        i = self.batch_req[-1]
+        seq_len = self._release(len(self.batch_req) - 1)
+        keep = torch.ones(len(self.batch_req), dtype=torch.bool)
+        keep[-1] = False
+        self._keep(keep)
+        self.queue.appendleft((i, seq_len))
+        self.enqueued_at[i] = step
+        self.result.retractions += 1
+        self.result.retracted_tokens += seq_len
+        self.result.retracted_gib += self._transfer_gib(seq_len)
 
-    res.steps = last_step - first_step + 1
-    res.mean_running = decode_tokens / res.steps
-    res.decode_tokens_per_step = decode_tokens / res.steps
-    res.queue_wait_p50_steps = _percentile(completed_waits, 50)
-    res.queue_wait_p99_steps = _percentile(completed_waits, 99)
-    res.alloc_us_per_step_median = statistics.median(alloc_us) if alloc_us else 0.0
-    return res
+    def decode(self, step: int) -> None:
+        """One token per running request; retract the newest while that is refused."""
+        while self.batch_req:
+            new_lens = self.seq_lens + 1
+            last_loc = self.req_to_token[self.rows, self.seq_lens - 1].to(torch.int64)
+            with self.watch:
+                out = self.allocator.alloc_decode(new_lens, new_lens, last_loc)
+            if out is not None:
+                self.req_to_token[self.rows, self.seq_lens] = out.to(torch.int32)
+                self.seq_lens = new_lens
+                return
+            self.retract_newest(step)
+
+    def record(self, step: int) -> None:
+        """The step's batch and pool use, right after its decode allocation."""
+        res, ps = self.result, self.page_size
+        bs = len(self.batch_req)
+        full_used = self.config.size_full // ps - self.allocator.full_available_size() // ps
+        swa_used = self.config.size_swa // ps - self.allocator.swa_available_size() // ps
+        per_req_swa = int((torch.div(self.seq_lens + ps - 1, ps, rounding_mode="floor") - self.evicted // ps).max())
+        res.timeline_step.append(step)
+        res.timeline_running.append(bs)
+        res.timeline_full_pages.append(full_used)
+        res.timeline_swa_pages.append(swa_used)
+        res.max_running = max(res.max_running, bs)
+        res.peak_full_pages = max(res.peak_full_pages, full_used)
+        res.peak_swa_pages = max(res.peak_swa_pages, swa_used)
+        res.max_swa_pages_per_request = max(res.max_swa_pages_per_request, per_req_swa)
+
+    def evict(self) -> None:
+        if self.config.policy in EVICTING:
+            with self.watch:
+                self.evicted = self._decode.evict_out_of_window(
+                    self.allocator, self.req_to_token, self.rows, self.seq_lens - 1, self.evicted, self.window)
+
+    def finish(self) -> int:
+        """Release the requests that reached their length; how many did."""
+        done = self.seq_lens >= self.target_lens
+        if not bool(done.any()):
+            return 0
+        for k in done.nonzero().flatten().tolist():
+            i = self.batch_req[k]
+            self.result.completed_lens[self.requests[i].rid] = self._release(k)
+            self.completed_waits.append(self.waited[i])
+        self._keep(~done)
+        finished = int(done.sum())
+        self.result.completed += finished
+        return finished
+
+    def run(self, *, progress: bool = False, desc: str = "") -> PolicyResult:
+        res, n = self.result, len(self.requests)
+        if not n:
+            return res
+        alloc_us: list[float] = []
+        decode_tokens = 0  # one per running request per step: also the running-request steps
+        step = first_step = last_step = self.arrival_step[0]
+        bar = tqdm(total=n, desc=desc, unit="req", disable=None if progress else True, leave=False)
+        with bar:
+            while res.completed < n:
+                self.arrive(step)
+                if not self.batch_req and not self.queue:
+                    step = self.arrival_step[self.next_arrival]
+                    continue
+                self.watch = _Stopwatch()
+                self.admit(step)
+                self.decode(step)
+                if self.batch_req:
+                    self.record(step)
+                    decode_tokens += len(self.batch_req)
+                    self.evict()
+                    finished = self.finish()
+                    if finished:
+                        bar.update(finished)
+                        last_step = step
+                alloc_us.append(self.watch.total * 1e6)
+                step += 1
+        res.steps = last_step - first_step + 1
+        res.mean_running = decode_tokens / res.steps
+        res.queue_wait_p50_steps = _percentile(self.completed_waits, 50)
+        res.queue_wait_p99_steps = _percentile(self.completed_waits, 99)
+        res.alloc_us_per_step_median = statistics.median(alloc_us)
+        return res
 
 
-def run(node: Node, policies=POLICIES, *, allocator_factory=default_allocator, progress: bool = False) -> dict[str, PolicyResult]:
-    return {p: simulate(node, p, allocator_factory=allocator_factory, progress=progress) for p in policies}
+def simulate(scenario: Scenario, policy: str, swa_ratio: float = SGLANG_DEFAULT_SWA_RATIO, *,
+             allocator_factory=default_allocator, progress: bool = False) -> PolicyResult:
+    """Replay the scenario under one policy at one SWA ratio."""
+    config = policy_config(scenario, policy, swa_ratio)
+    node = DecodeNode(scenario, config, allocator_factory=allocator_factory)
+    return node.run(progress=progress, desc=f"{scenario.model.name} {policy} {config.swa_ratio:g}")
 
 
-def report(results: dict[str, PolicyResult]) -> dict:
-    """The JSON report: one object of metrics per policy."""
-    return {policy: r.summary() for policy, r in results.items()}
+@dataclass(frozen=True)
+class PlannedRun:
+    """One column of the comparison: a policy and the SWA ratios it is tried at
+    (one, or a sweep whose best is kept)."""
+
+    label: str
+    policy: str
+    ratios: tuple[float, ...]
 
 
-def format_table(node: Node, results: dict[str, PolicyResult]) -> str:
-    m = node.model
+def plan_runs(scenario: Scenario, policies=POLICIES, swa_ratio: float | None = None,
+              sweep: tuple[float, ...] = SWA_RATIO_SWEEP) -> list[PlannedRun]:
+    """``full`` at ratio 1; ``evict`` and ``tail`` at ``swa_ratio`` when given, else
+    at their best of ``sweep`` and at SGLang's default ratio. Refuses, before any
+    run, a column that no request of the scenario fits."""
+    if swa_ratio is not None and not 0 < swa_ratio <= 1:
+        raise SimulationError(f"SWA ratio must be in (0, 1], got {swa_ratio}")
+    runs = []
+    for policy in dict.fromkeys(policies):
+        if policy == "full":
+            runs.append(PlannedRun("full", "full", (1.0,)))
+        elif swa_ratio is not None:
+            runs.append(PlannedRun(policy, policy, (swa_ratio,)))
+        else:
+            runs.append(PlannedRun(policy, policy, tuple(sweep)))
+            runs.append(PlannedRun(f"{policy}@{SGLANG_DEFAULT_SWA_RATIO:g}", policy, (SGLANG_DEFAULT_SWA_RATIO,)))
+    shortest = min(scenario.requests, key=lambda r: r.prompt_len + r.output_len)
+    for planned in runs:
+        configs = [policy_config(scenario, planned.policy, r) for r in planned.ratios]
+        if not any(fits_empty_node(scenario, c, shortest) for c in configs):
+            c = configs[-1]
+            ratios = "any SWA ratio of the sweep" if len(configs) > 1 else f"SWA ratio {c.swa_ratio:g}"
+            raise SimulationError(
+                f"{scenario.kv_memory_gib:g} GiB of KV memory at {ratios} is too small for one request "
+                f"under the {planned.policy!r} policy: its pools hold {c.size_full} full and {c.size_swa} SWA "
+                f"tokens, the shortest request needs {shortest.prompt_len + shortest.output_len} plus a page"
+            )
+    return runs
+
+
+def _sweep_rank(r: PolicyResult) -> tuple:
+    # Every request served first; then the most concurrency (the shortest run);
+    # then the fewest retractions.
+    return (r.rejected, -r.mean_running, r.retractions)
+
+
+def _best_of(scenario: Scenario, policy: str, ratios: tuple[float, ...], *, allocator_factory,
+             progress: bool) -> PolicyResult:
+    """The policy's best run over ``ratios``. Ratios are tried from the highest
+    capacity bound down; one whose bound is below the best mean concurrency found
+    so far, with no fewer rejections, cannot win (no run exceeds its bound) and is
+    not run: its sweep point has ``mean_running`` None."""
+    configs = [policy_config(scenario, policy, r) for r in ratios]
+    served = {c.swa_ratio: [r for r in scenario.requests if fits_empty_node(scenario, c, r)] for c in configs}
+    bounds = {c.swa_ratio: capacity_bound(scenario, c, served[c.swa_ratio]) for c in configs}
+    best = None
+    points = {}
+    for config in sorted(configs, key=lambda c: -bounds[c.swa_ratio]):
+        rejected = len(scenario.requests) - len(served[config.swa_ratio])
+        if best is not None and rejected >= best.rejected and bounds[config.swa_ratio] < best.mean_running:
+            points[config.swa_ratio] = {"swa_ratio": config.swa_ratio, "rejected": rejected, "retractions": None,
+                                        "mean_running": None, "capacity_bound": bounds[config.swa_ratio]}
+            continue
+        result = simulate(scenario, policy, config.swa_ratio, allocator_factory=allocator_factory, progress=progress)
+        points[config.swa_ratio] = result.sweep_point()
+        if best is None or _sweep_rank(result) < _sweep_rank(best):
+            best = result
+    if len(configs) > 1:
+        best.sweep = [points[c.swa_ratio] for c in configs]
+    return best
+
+
+def run(scenario: Scenario, policies=POLICIES, *, swa_ratio: float | None = None,
+        sweep: tuple[float, ...] = SWA_RATIO_SWEEP, allocator_factory=default_allocator,
+        progress: bool = False) -> dict[str, PolicyResult]:
+    """The comparison: one result per planned column (``plan_runs``), by label."""
+    return {
+        planned.label: _best_of(scenario, planned.policy, planned.ratios, allocator_factory=allocator_factory,
+                                progress=progress)
+        for planned in plan_runs(scenario, policies, swa_ratio, sweep)
+    }
+
+
+def report(scenario: Scenario, results: dict[str, PolicyResult]) -> dict:
+    """The JSON report: the settings that tell two runs apart, and each column's metrics."""
+    return {
+        "config": {
+            "model": scenario.model.name,
+            "trace": scenario.trace,
+            "page_size": scenario.page_size,
+            "kv_memory_gib": scenario.kv_memory_gib,
+            "swa_ratio": {label: r.swa_ratio for label, r in results.items()},
+            "time_scale": scenario.time_scale,
+            "step_ms": scenario.step_ms,
+            "reserved_decode_tokens": scenario.reserved_decode_tokens,
+            "trace_requests": scenario.trace_requests,
+            "requests": len(scenario.requests),
+            "skipped_over_context": scenario.skipped_over_context,
+            "skipped_no_output": scenario.skipped_no_output,
+        },
+        "policies": {label: r.summary() for label, r in results.items()},
+    }
+
+
+_FORMATS = {"swa_ratio": ".3f", "retracted_gib": ".2f", "transfer_gib": ".1f", "bound_reached": ".2f"}
+
+
+def _cell(key: str, value) -> str:
+    if isinstance(value, float):
+        return format(value, _FORMATS.get(key, ".1f"))
+    return str(value)
+
+
+def _sweep_cell(point: dict) -> str:
+    if point["mean_running"] is None:
+        text = f"{point['swa_ratio']:g}: not run (bound {point['capacity_bound']:.1f})"
+    else:
+        text = f"{point['swa_ratio']:g}: {point['mean_running']:.1f}"
+    return text + (f" ({point['rejected']} rejected)" if point["rejected"] else "")
+
+
+def format_table(scenario: Scenario, results: dict[str, PolicyResult]) -> str:
+    m = scenario.model
     lines = [
         f"model {m.name}: window {m.window}, {m.swa_layers} SWA + {m.full_layers} full layers, "
-        f"{m.kv_heads} KV heads x {m.head_dim}; page {node.page_size}; "
-        f"KV memory {node.kv_memory_gib:g} GiB; SWA ratio {node.swa_ratio:.3f} (evict, tail)",
-        f"requests {len(node.requests)} replayed, {node.skipped} skipped "
-        f"({node.skipped_over_context} over context, {node.skipped_over_memory} over memory, "
-        f"{node.skipped_no_output} without output); step {node.step_ms:g} ms, time scale {node.time_scale:g}",
+        f"{m.kv_heads} KV heads x {m.head_dim}; page {scenario.page_size}; KV memory {scenario.kv_memory_gib:g} GiB",
+        f"trace {scenario.trace}: {len(scenario.requests)} requests replayed "
+        f"({scenario.skipped_over_context} over context and {scenario.skipped_no_output} without output skipped); "
+        f"step {scenario.step_ms:g} ms, time scale {scenario.time_scale:g}, "
+        f"{scenario.reserved_decode_tokens} reserved decode tokens",
     ]
-    policies = list(results)
-    keys = ["pool_full_pages", "pool_swa_pages"] + [k for k in PolicyResult.SUMMARY_KEYS if k != "skipped"]
-    summaries = {p: results[p].summary() for p in policies}
+    labels = list(results)
+    keys = PolicyResult.SUMMARY_KEYS
+    cells = {label: [_cell(k, getattr(results[label], k)) for k in keys] for label in labels}
     name_w = max(len(k) for k in keys)
-    col_w = 12
+    # Columns as wide as their widest cell, so they never run together.
+    col_w = {label: 2 + max(len(label), *(len(c) for c in cells[label])) for label in labels}
     lines.append("")
-    lines.append(f"{'':<{name_w}}" + "".join(f"{p:>{col_w}}" for p in policies))
-    for key in keys:
-        cells = []
-        for p in policies:
-            v = summaries[p][key]
-            cells.append(f"{v:>{col_w}.1f}" if isinstance(v, float) else f"{v:>{col_w}d}")
-        lines.append(f"{key:<{name_w}}" + "".join(cells))
+    lines.append(" " * name_w + "".join(f"{label:>{col_w[label]}}" for label in labels))
+    for row, key in enumerate(keys):
+        lines.append(f"{key:<{name_w}}" + "".join(f"{cells[label][row]:>{col_w[label]}}" for label in labels))
+    for label, r in results.items():
+        if r.sweep:
+            points = ", ".join(_sweep_cell(p) for p in r.sweep)
+            lines.append(f"\n{label} SWA ratio sweep (mean_running): {points}; best {r.swa_ratio:g}")
     return "\n".join(lines)
 
 
-def plot(node: Node, results: dict[str, PolicyResult], path: str) -> None:
-    """Running requests and KV memory in use on each pool over simulated time."""
+def plot(scenario: Scenario, results: dict[str, PolicyResult], path: str) -> None:
+    """Running requests (with each policy's capacity bound) and KV memory in use on
+    each pool over simulated time, for the columns without a pinned default ratio."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ps = node.page_size
+    ps = scenario.page_size
     page_gib = {
-        "full": node.model.full_bytes_per_token * ps / GIB,
-        "swa": node.model.swa_bytes_per_token * ps / GIB,
+        "full": scenario.model.full_bytes_per_token * ps / GIB,
+        "swa": scenario.model.swa_bytes_per_token * ps / GIB,
     }
+    shown = {label: r for label, r in results.items() if label in POLICIES}
+    # Each policy its own colour and dash, and evict drawn above tail, so neither hides the other.
+    styles = {"full": ("tab:gray", "-", 2), "tail": ("tab:blue", "-", 2), "evict": ("tab:orange", (0, (3, 3)), 3)}
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
-    for policy, r in results.items():
-        t = [s * node.step_ms / 1000.0 for s in r.timeline_step]
-        # evict and tail often coincide; dashes keep both visible.
-        style = {"lw": 0.9, "ls": "--" if policy == "evict" else "-"}
-        line = axes[0].plot(t, r.timeline_running, label=policy, **style)[0]
-        color = line.get_color()
-        axes[1].plot(t, [p * page_gib["full"] for p in r.timeline_full_pages], color=color, **style)
-        axes[1].axhline(r.size_full // ps * page_gib["full"], color=color, ls=":", lw=0.8)
-        axes[2].plot(t, [p * page_gib["swa"] for p in r.timeline_swa_pages], color=color, **style)
-        axes[2].axhline(r.size_swa // ps * page_gib["swa"], color=color, ls=":", lw=0.8)
-    axes[0].set_ylabel("running requests")
-    axes[1].set_ylabel("full pool in use (GiB)")
-    axes[2].set_ylabel("SWA pool in use (GiB)")
-    axes[2].set_xlabel("simulated time (s); dotted: pool size")
-    axes[0].legend()
+    for label, r in shown.items():
+        color, dash, z = styles[label]
+        style = {"color": color, "ls": dash, "lw": 1.0, "zorder": z}
+        t = [s * scenario.step_ms / 1000.0 for s in r.timeline_step]
+        axes[0].plot(t, r.timeline_running, label=f"{label} (SWA ratio {r.swa_ratio:g})", **style)
+        axes[0].axhline(r.capacity_bound, color=color, ls=":", lw=1.2)
+        axes[1].plot(t, [p * page_gib["full"] for p in r.timeline_full_pages], **style)
+        axes[1].axhline(r.pool_full_pages * page_gib["full"], color=color, ls=":", lw=0.8)
+        axes[2].plot(t, [p * page_gib["swa"] for p in r.timeline_swa_pages], **style)
+        axes[2].axhline(r.pool_swa_pages * page_gib["swa"], color=color, ls=":", lw=0.8)
+    axes[0].set_ylabel("running requests\n(dotted: bound of the mean)")
+    axes[1].set_ylabel("full pool in use (GiB)\n(dotted: pool size)")
+    axes[2].set_ylabel("SWA pool in use (GiB)\n(dotted: pool size)")
+    axes[2].set_xlabel("simulated time (s)")
+    axes[0].legend(loc="upper right", fontsize="small")
+    ratios = ", ".join(f"{label} {r.swa_ratio:g}" for label, r in shown.items())
     axes[0].set_title(
-        f"{node.model.name}, {len(node.requests)} requests, {node.kv_memory_gib:g} GiB KV, "
-        f"page {ps}, time scale {node.time_scale:g}"
+        f"{scenario.model.name} on {Path(scenario.trace).name}, {len(scenario.requests)} requests, "
+        f"{scenario.kv_memory_gib:g} GiB KV, page {ps}, time scale {scenario.time_scale:g}\nSWA ratio: {ratios}",
+        fontsize="medium",
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -39,21 +40,41 @@ class Request:
     output_len: int
 
 
-def _count(text: str, what: str, where: str) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise TraceError(f"{where}: {what} is not an integer: {text!r}") from None
+def _non_negative(value, what: str, where: str):
     if value < 0:
         raise TraceError(f"{where}: {what} is negative: {value}")
     return value
 
 
+def _count(text: str, what: str, where: str) -> int:
+    """A token count written as decimal digits (CSV)."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise TraceError(f"{where}: {what} is not an integer: {text!r}") from None
+    return _non_negative(value, what, where)
+
+
+def _json_count(value, what: str, where: str) -> int:
+    """A token count as a JSON integer: not a bool, a float or a string."""
+    if type(value) is not int:
+        raise TraceError(f"{where}: {what} is not an integer: {value!r}")
+    return _non_negative(value, what, where)
+
+
+def _finite_time(value: float, what: str, where: str) -> float:
+    if not math.isfinite(value):
+        raise TraceError(f"{where}: {what} is not a finite number: {value!r}")
+    return _non_negative(value, what, where)
+
+
 def _azure_time(text: str, where: str) -> float:
     try:
-        return float(text)
+        seconds = float(text)
     except (TypeError, ValueError):
         pass
+    else:
+        return _finite_time(seconds, "TIMESTAMP", where)
     try:
         stamp = datetime.fromisoformat(_EXTRA_FRACTION_DIGITS.sub(r"\1", text.strip()))
     except (AttributeError, ValueError):
@@ -66,7 +87,9 @@ def _azure_time(text: str, where: str) -> float:
 
 def _read_azure(path: Path, limit: int | None) -> list[tuple[float, int, int]]:
     rows = []
-    with open(path, newline="", encoding="utf-8") as f:
+    # utf-8-sig: a spreadsheet's CSV starts with a byte-order mark (its CRLF line
+    # ends are the csv module's to read).
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         missing = [c for c in AZURE_COLUMNS if c not in (reader.fieldnames or ())]
         if missing:
@@ -105,9 +128,9 @@ def _read_mooncake(path: Path, limit: int | None) -> list[tuple[float, int, int]
                 raise TraceError(f"{where}: timestamp is not a number: {ts!r}")
             rows.append(
                 (
-                    ts / 1000.0,
-                    _count(record["input_length"], "input_length", where),
-                    _count(record["output_length"], "output_length", where),
+                    _finite_time(ts, "timestamp", where) / 1000.0,
+                    _json_count(record["input_length"], "input_length", where),
+                    _json_count(record["output_length"], "output_length", where),
                 )
             )
     return rows
@@ -116,6 +139,8 @@ def _read_mooncake(path: Path, limit: int | None) -> list[tuple[float, int, int]
 def load_trace(path: str | Path | None = None, limit: int | None = None) -> list[Request]:
     """The first ``limit`` requests of a trace (all when None), sorted by arrival.
     The format follows the suffix: ``.jsonl`` / ``.json`` is Mooncake, else CSV."""
+    if path is not None and not str(path):
+        raise TraceError("the trace path is empty")
     path = Path(path) if path is not None else DEFAULT_TRACE
     if not path.exists():
         raise TraceError(f"{path}: no such trace file")

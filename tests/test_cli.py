@@ -1,4 +1,4 @@
-"""The swa-ext command line: simulate's outputs, bad input, bench dispatch."""
+"""The swa-ext command line: simulate's outputs, bad input, --version, bench dispatch."""
 
 import json
 import subprocess
@@ -8,66 +8,117 @@ from pathlib import Path
 
 import pytest
 
-from swa_ext import cli
-from swa_ext.simulator import POLICIES
+import swa_ext
+from swa_ext import cli, simulator
 
 DATA = Path(__file__).with_name("data")
 SMALL = ["--trace", str(DATA / "azure_small.csv"), "--page-size", "16", "--kv-memory-gib", "2"]
-REPORT_KEYS = (
-    "completed",
-    "retractions",
-    "max_running",
-    "mean_running",
-    "peak_full_pages",
-    "peak_swa_pages",
-    "max_swa_pages_per_request",
-    "queue_wait_p50_steps",
-    "queue_wait_p99_steps",
-    "decode_tokens_per_step",
-    "alloc_us_per_step_median",
-)
+COLUMNS = ["full", "evict", "evict@0.8", "tail", "tail@0.8"]
 
 
 def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     assert cli.main(["simulate", *SMALL, "--json", str(out_json), "--plot", str(out_png)]) == 0
     table = capsys.readouterr().out
-    for policy in POLICIES:
-        assert policy in table
+    header = next(line for line in table.splitlines() if line.split() == COLUMNS)
+    rows = table.splitlines()[table.splitlines().index(header) + 1:][: len(simulator.PolicyResult.SUMMARY_KEYS)]
+    assert [row.split()[0] for row in rows] == list(simulator.PolicyResult.SUMMARY_KEYS)
+    assert "evict SWA ratio sweep" in table and "tail SWA ratio sweep" in table
     report = json.loads(out_json.read_text())
-    assert list(report) == list(POLICIES)
-    for metrics in report.values():
-        assert set(REPORT_KEYS) <= set(metrics)
-        assert metrics["completed"] == 48
+    assert list(report) == ["config", "policies"]
+    assert report["config"]["trace"] == str(DATA / "azure_small.csv")
+    assert report["config"]["swa_ratio"]["evict@0.8"] == report["config"]["swa_ratio"]["tail@0.8"] == 0.8
+    assert list(report["policies"]) == COLUMNS
+    for label, metrics in report["policies"].items():
+        assert metrics["completed"] + metrics["rejected"] == 48
+        assert metrics["swa_ratio"] == report["config"]["swa_ratio"][label]
+        assert ("swa_ratio_sweep" in metrics) == (label in ("evict", "tail"))
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_simulate_one_policy(tmp_path):
+def test_simulate_pinned_ratio_one_policy(tmp_path):
     out_json = tmp_path / "r.json"
-    assert cli.main(["simulate", *SMALL, "--policy", "tail", "--max-requests", "10", "--json", str(out_json)]) == 0
+    args = ["simulate", *SMALL, "--policy", "tail", "--swa-ratio", "0.3", "--max-requests", "10",
+            "--reserved-decode-tokens", "0", "--json", str(out_json)]
+    assert cli.main(args) == 0
     report = json.loads(out_json.read_text())
-    assert list(report) == ["tail"] and report["tail"]["completed"] == 10
+    assert list(report["policies"]) == ["tail"] and report["policies"]["tail"]["completed"] == 10
+    assert report["config"]["swa_ratio"] == {"tail": 0.3}
+    assert report["config"]["reserved_decode_tokens"] == 0
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["simulate", "--trace", "/nonexistent/trace.csv"],
-        ["simulate", "--trace", str(DATA / "mooncake_small.jsonl"), "--model", "no-such-model"],
-        ["simulate", *SMALL[:4], "--kv-memory-gib", "0.001"],
-        ["simulate", *SMALL, "--swa-ratio", "1.5"],
-        ["simulate", *SMALL, "--json", "/nonexistent/dir/r.json"],
-        ["simulate", "--max-requests", "0"],
-        ["nosuchcommand"],
-        [],
-    ],
-)
-def test_bad_input_is_one_line_exit_2(args, capsys):
+def test_spreadsheet_csv_is_read(tmp_path, capsys):
+    # A byte-order mark and CRLF line ends, as a spreadsheet saves a CSV.
+    csv = tmp_path / "saved.csv"
+    csv.write_bytes(b"\xef\xbb\xbf" + (DATA / "azure_small.csv").read_bytes().replace(b"\n", b"\r\n"))
+    assert cli.main(["simulate", "--trace", str(csv), *SMALL[2:], "--swa-ratio", "0.5"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def _jsonl(tmp_path, name, record):
+    path = tmp_path / name
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 5, "output_length": 2, **record}) + "\n")
+    return str(path)
+
+
+# (arguments after "simulate", given the test's tmp_path; a fragment of the one error line)
+BAD_SIMULATE_ARGS = [
+    (lambda d: ["--kv-memory-gib", "inf"], "positive finite"),
+    (lambda d: ["--kv-memory-gib", "1e6"], "more KV memory than a decode node"),
+    (lambda d: ["--kv-memory-gib", "1e30"], "more KV memory than a decode node"),
+    (lambda d: ["--kv-memory-gib", "0.001"], "too small for one request under the 'full' policy"),
+    (lambda d: ["--time-scale", "inf"], "positive finite"),
+    (lambda d: ["--time-scale", "1e30"], "at most 1000"),
+    (lambda d: ["--step-ms", "inf"], "positive finite"),
+    (lambda d: ["--step-ms", "nan"], "positive finite"),
+    (lambda d: ["--plot", str(d / "x.txt")], "name it *.png"),
+    (lambda d: ["--json", str(d)], "is a directory"),
+    (lambda d: ["--json", str(d / "no" / "r.json")], "no directory"),
+    (lambda d: ["--json", ""], "empty path"),
+    (lambda d: ["--swa-ratio", "1e-9"], "'evict' policy"),
+    (lambda d: ["--swa-ratio", "1.5"], "(0, 1]"),
+    (lambda d: ["--trace", ""], "trace path is empty"),
+    (lambda d: ["--trace", str(d / "absent.csv")], "no such trace"),
+    (lambda d: ["--trace", _jsonl(d, "bool.jsonl", {"input_length": True})], "input_length is not an integer"),
+    (lambda d: ["--trace", _jsonl(d, "float.jsonl", {"output_length": 2.0})], "output_length is not an integer"),
+    (lambda d: ["--trace", _jsonl(d, "early.jsonl", {"timestamp": -5})], "timestamp is negative"),
+    (lambda d: ["--model", "no-such-model"], "--model"),
+    (lambda d: ["--max-requests", "0"], "positive integer"),
+    (lambda d: ["--page-size", "0"], "positive integer"),
+    (lambda d: ["--reserved-decode-tokens", "-1"], "non-negative"),
+]
+
+
+@pytest.mark.parametrize("make_args, fragment", BAD_SIMULATE_ARGS)
+def test_bad_simulate_value_is_one_line_exit_2_before_the_run(make_args, fragment, tmp_path, capsys, monkeypatch):
+    def no_run(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(simulator.DecodeNode, "run", no_run)
+    args = make_args(tmp_path)
+    base = [] if "--trace" in args else SMALL[:2]
+    assert cli.main(["simulate", *base, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("swa-ext simulate: error:")
+    assert fragment in lines[0]
+
+
+@pytest.mark.parametrize("args", [["nosuchcommand"], []])
+def test_bad_command_is_one_line_exit_2(args, capsys):
     assert cli.main(args) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert len(captured.err.strip().splitlines()) == 1
-    assert "error" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "error" in captured.err
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"swa-ext {swa_ext.__version__}"
+    assert "__version__" in swa_ext.__all__
+    version_file = Path(swa_ext.__file__).with_name("_version.py").read_text()
+    assert f'__version__ = "{swa_ext.__version__}"' in version_file
 
 
 def test_malformed_trace_through_console(tmp_path):

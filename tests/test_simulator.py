@@ -9,12 +9,14 @@ from hypothesis import strategies as st
 
 from swa_ext import simulator
 from swa_ext.models import get_model, load_models
-from swa_ext.simulator import POLICIES, plan_node, simulate
+from swa_ext.simulator import POLICIES, plan_scenario, policy_config, simulate
 from swa_ext.traces import Request, TraceError, load_trace
 
 DATA = Path(__file__).with_name("data")
 AZURE_SMALL = DATA / "azure_small.csv"
 MOONCAKE_SMALL = DATA / "mooncake_small.jsonl"
+# The bundled long-prompt sample (Mooncake conversation trace, mean prompt about 14k tokens).
+MOONCAKE_LONG = Path(simulator.__file__).with_name("data") / "mooncake_conversation_trace_2000.jsonl"
 
 FREE_METHODS = ("free", "free_full", "free_segment", "free_full_segment")
 
@@ -52,24 +54,35 @@ class RecordingAllocator:
         return attr
 
 
-def run_recorded(node, policy):
+def run_recorded(scenario, policy, swa_ratio=simulator.SGLANG_DEFAULT_SWA_RATIO):
     made = []
 
     def factory(size_full, size_swa, page_size):
         made.append(RecordingAllocator(simulator.default_allocator(size_full, size_swa, page_size)))
         return made[0]
 
-    result = simulate(node, policy, allocator_factory=factory)
-    return result, made[0]
+    result = simulate(scenario, policy, swa_ratio, allocator_factory=factory)
+    # No allocator is made for a node that rejects every request.
+    return result, made[0] if made else None
 
 
-def check_invariants(node, results):
+def check_invariants(scenario, results):
     for policy, (result, rec) in results.items():
-        by_rid = {r.rid: r for r in node.requests}
-        assert result.completed == len(node.requests)
-        assert set(result.completed_lens) == set(by_rid)
+        config = policy_config(scenario, policy, result.swa_ratio)
+        served = {r.rid: r for r in scenario.requests if simulator.fits_empty_node(scenario, config, r)}
+        # No request dropped: each one is completed, or rejected by this policy
+        # because it cannot run on its empty node.
+        assert result.requests == len(scenario.requests)
+        assert result.rejected == len(scenario.requests) - len(served)
+        assert result.completed == len(served)
+        assert set(result.completed_lens) == set(served)
         for rid, length in result.completed_lens.items():
-            assert length == by_rid[rid].prompt_len + by_rid[rid].output_len
+            assert length == served[rid].prompt_len + served[rid].output_len
+        # The capacity bound is an upper bound of the concurrency reached.
+        assert result.mean_running <= result.capacity_bound + 1e-9
+        if rec is None:
+            assert not served
+            continue
         # Every token of every completed request was allocated and released, once
         # per residency (a retracted request is preallocated again).
         expected = sum(result.completed_lens.values()) + result.retracted_tokens
@@ -79,35 +92,38 @@ def check_invariants(node, results):
         # Pools whole at the end.
         assert rec.full_available_size() == result.size_full
         assert rec.swa_available_size() == result.size_swa
-        ps = node.page_size
-        assert result.peak_full_pages <= result.size_full // ps
-        assert result.peak_swa_pages <= result.size_swa // ps
-    per_req = {p: results[p][0].max_swa_pages_per_request for p in results}
-    assert per_req["tail"] <= per_req["evict"] <= per_req["full"]
+        assert result.peak_full_pages <= result.pool_full_pages
+        assert result.peak_swa_pages <= result.pool_swa_pages
+        assert (result.retractions == 0) == (result.retracted_tokens == 0) == (result.retracted_gib == 0)
 
 
 def test_uncongested_trace_invariants():
     # Ample memory: every policy admits at the same steps, so the pool peaks
     # follow the per-request SWA use.
-    node = plan_node(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=4.0)
-    results = {p: run_recorded(node, p) for p in POLICIES}
-    check_invariants(node, results)
+    scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=4.0)
+    results = {p: run_recorded(scenario, p) for p in POLICIES}
+    check_invariants(scenario, results)
     peaks = {p: results[p][0] for p in POLICIES}
-    assert all(r.retractions == 0 for r in peaks.values())
+    assert all(r.retractions == 0 and r.rejected == 0 for r in peaks.values())
     assert peaks["tail"].peak_swa_pages <= peaks["evict"].peak_swa_pages <= peaks["full"].peak_swa_pages
     assert peaks["tail"].peak_full_pages == peaks["evict"].peak_full_pages == peaks["full"].peak_full_pages
+    per_req = [peaks[p].max_swa_pages_per_request for p in ("tail", "evict", "full")]
+    assert per_req == sorted(per_req)
     # The tail policy holds at most a window and two pages of SWA KV per request.
     assert peaks["tail"].max_swa_pages_per_request <= simulator.tail_swa_pages_bound(128, 16)
+    # tail receives SWA KV for the window tail only; the others for the whole prompt.
+    assert peaks["tail"].transfer_gib < peaks["evict"].transfer_gib == peaks["full"].transfer_gib
 
 
 def test_congested_trace_invariants():
-    # Dense arrivals into a small node: requests queue and get retracted.
-    node = plan_node(
-        load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=0.25, time_scale=0.01
-    )
-    results = {p: run_recorded(node, p) for p in POLICIES}
-    check_invariants(node, results)
+    # Dense arrivals into a small node without decode reserve: requests queue and
+    # get retracted.
+    scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=0.25,
+                             time_scale=0.01, reserved_decode_tokens=0)
+    results = {p: run_recorded(scenario, p) for p in POLICIES}
+    check_invariants(scenario, results)
     assert results["full"][0].queue_wait_p99_steps > 0
+    assert any(r.retractions for r, _ in results.values())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -117,8 +133,10 @@ def test_congested_trace_invariants():
     page_size=st.sampled_from([1, 4, 16, 64]),
     model=st.sampled_from(["gpt-oss-20b", "gemma-3-27b", "mistral-7b-v0.1"]),
     pages=st.integers(20, 200),
+    swa_ratio=st.sampled_from([0.05, 0.2, 0.8]),
+    reserve=st.sampled_from([0, 16, 512]),
 )
-def test_random_traces_invariants(lens, gaps, page_size, model, pages):
+def test_random_traces_invariants(lens, gaps, page_size, model, pages, swa_ratio, reserve):
     cfg = get_model(model)
     # A budget of about `pages` pages of the full policy's pools.
     gib = pages * page_size * (cfg.full_bytes_per_token + cfg.swa_bytes_per_token) / simulator.GIB
@@ -126,27 +144,113 @@ def test_random_traces_invariants(lens, gaps, page_size, model, pages):
     for i, ((prompt, output), gap) in enumerate(zip(lens, gaps)):
         t += gap / 1000
         requests.append(Request(i, t, prompt, output))
-    try:
-        node = plan_node(requests, cfg, page_size=page_size, kv_memory_gib=gib, time_scale=0.05)
-    except simulator.SimulationError:
-        return  # nothing fits this node
-    results = {p: run_recorded(node, p) for p in POLICIES}
-    check_invariants(node, results)
+    scenario = plan_scenario(requests, cfg, page_size=page_size, kv_memory_gib=gib, time_scale=0.05,
+                             reserved_decode_tokens=reserve)
+    results = {p: run_recorded(scenario, p, swa_ratio) for p in POLICIES}
+    check_invariants(scenario, results)
+
+
+def test_rejection_is_per_policy():
+    # A request too long for the full policy's pools fits tail's: only full rejects it.
+    cfg = get_model("gemma-3-27b")
+    requests = [Request(0, 0.0, 2000, 20), Request(1, 0.1, 14000, 20), Request(2, 0.2, 1500, 20)]
+    scenario = plan_scenario(requests, cfg, kv_memory_gib=4.0)
+    full = policy_config(scenario, "full", 1.0)
+    assert full.size_full < 14000 < policy_config(scenario, "tail", 0.1).size_full
+    results = simulator.run(scenario, swa_ratio=0.1)
+    assert results["full"].rejected == 1 and results["full"].completed == 2
+    assert 1 not in results["full"].completed_lens
+    assert results["tail"].rejected == 0 and results["tail"].completed == 3
+    # evict needs the whole prompt on its (small) SWA pool.
+    assert results["evict"].rejected == 1
+
+
+def test_tail_retractions_bounded_on_long_prompts():
+    # The long-prompt sample on a small node: the admission reserve keeps tail's
+    # retractions at full's or fewer, where greedy admission (no reserve) retracts often.
+    requests = load_trace(MOONCAKE_LONG, 150)
+    assert sum(r.prompt_len for r in requests) / len(requests) > 10000
+    counts = {}
+    for reserve in (simulator.DEFAULT_RESERVED_DECODE_TOKENS, 0):
+        scenario = plan_scenario(requests, get_model("gpt-oss-20b"), kv_memory_gib=8.0, time_scale=0.1,
+                                 reserved_decode_tokens=reserve)
+        results = {p: simulate(scenario, p, 0.02) for p in ("full", "tail")}
+        assert all(r.completed == len(requests) for r in results.values())
+        counts[reserve] = {p: r.retractions for p, r in results.items()}
+        if reserve:
+            assert results["tail"].mean_running > 1.5 * results["full"].mean_running
+    reserved = counts[simulator.DEFAULT_RESERVED_DECODE_TOKENS]
+    assert reserved["tail"] <= reserved["full"] and reserved["tail"] <= len(requests) // 100
+    assert counts[0]["tail"] > 5 * max(reserved["tail"], 1)
+
+
+def test_capacity_bound_sums():
+    # The closed forms against the per-step count they replace.
+    cfg = get_model("gpt-oss-20b")
+    for ps in (1, 3, 16, 64):
+        requests = [Request(0, 0.0, p, o) for p, o in ((1, 1), (5, 300), (127, 2), (128, 129), (700, 64))]
+        scenario = plan_scenario(requests, cfg, page_size=ps, kv_memory_gib=1.0)
+        for policy in POLICIES:
+            config = policy_config(scenario, policy, 0.5)
+            steps = full_steps = swa_steps = 0
+            for r in requests:
+                for length in range(r.prompt_len + 1, r.prompt_len + r.output_len + 1):
+                    full = -(-length // ps)
+                    steps += 1
+                    full_steps += full
+                    swa_steps += full if policy == "full" else full - max(0, length - cfg.window) // ps
+            expected = min(config.size_full // ps * steps / full_steps, config.size_swa // ps * steps / swa_steps)
+            assert simulator.capacity_bound(scenario, config, requests) == pytest.approx(expected)
+
+
+def test_sweep_keeps_the_best_ratio():
+    # The pruned sweep picks what running every ratio would.
+    scenario = plan_scenario(load_trace(MOONCAKE_LONG, 60), get_model("gpt-oss-20b"), kv_memory_gib=4.0,
+                             time_scale=0.05)
+    ratios = (0.01, 0.05, 0.2, 1.0)
+    results = simulator.run(scenario, ("tail",), sweep=ratios)
+    assert list(results) == ["tail", "tail@0.8"]
+    best = results["tail"]
+    assert [p["swa_ratio"] for p in best.sweep] == list(ratios)
+    every = [simulate(scenario, "tail", r) for r in ratios]
+    top = min(every, key=lambda r: (r.rejected, -r.mean_running, r.retractions))
+    assert (best.rejected, best.mean_running) == (top.rejected, top.mean_running)
+    for point, full_run in zip(best.sweep, every):
+        if point["mean_running"] is None:
+            assert point["capacity_bound"] < best.mean_running
+        else:
+            assert point["mean_running"] == full_run.mean_running
+    assert results["tail@0.8"].swa_ratio == simulator.SGLANG_DEFAULT_SWA_RATIO
+
+
+def test_planned_columns():
+    scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=2.0)
+    swept = simulator.plan_runs(scenario)
+    assert [r.label for r in swept] == ["full", "evict", "evict@0.8", "tail", "tail@0.8"]
+    assert swept[0].ratios == (1.0,) and swept[1].ratios == simulator.SWA_RATIO_SWEEP
+    pinned = simulator.plan_runs(scenario, swa_ratio=0.3)
+    assert [(r.label, r.ratios) for r in pinned] == [("full", (1.0,)), ("evict", (0.3,)), ("tail", (0.3,))]
+    # A pinned ratio that leaves the SWA pool no room names the policy it starves.
+    with pytest.raises(simulator.SimulationError, match="'evict' policy"):
+        simulator.plan_runs(scenario, swa_ratio=1e-9)
+    with pytest.raises(simulator.SimulationError, match="'tail' policy"):
+        simulator.plan_runs(scenario, ("full", "tail"), swa_ratio=1e-9)
 
 
 def test_same_memory_for_every_policy():
     cfg = get_model("gemma-3-27b")
-    node = plan_node(load_trace(AZURE_SMALL), cfg, kv_memory_gib=10.0)
+    scenario = plan_scenario(load_trace(AZURE_SMALL), cfg, kv_memory_gib=10.0)
     budget = 10.0 * simulator.GIB
-    for policy, (size_full, size_swa) in node.pools.items():
-        used = size_full * cfg.full_bytes_per_token + size_swa * cfg.swa_bytes_per_token
+    for policy in POLICIES:
+        config = policy_config(scenario, policy, 0.3)
+        used = config.size_full * cfg.full_bytes_per_token + config.size_swa * cfg.swa_bytes_per_token
         # The same budget, less rounding to whole pages and the padding pages
         # (under four pages of each pool).
         assert budget - 4 * 64 * (cfg.full_bytes_per_token + cfg.swa_bytes_per_token) < used <= budget
         if policy == "full":
-            assert size_full == size_swa
+            assert config.size_full == config.size_swa and config.swa_ratio == 1.0
         else:
-            assert size_swa <= size_full
+            assert config.size_swa <= config.size_full and config.swa_ratio == 0.3
 
 
 def test_skips_are_counted_and_shared():
@@ -157,27 +261,57 @@ def test_skips_are_counted_and_shared():
         Request(2, 0.2, 50, 0),  # nothing to decode
         Request(3, 0.3, 7000, 10),
     ]
-    node = plan_node(requests, cfg, kv_memory_gib=0.5)
-    assert node.skipped_over_context == 1 and node.skipped_no_output == 1
-    # 0.5 GiB holds ~1400 tokens of gemma-2-27b: request 3 does not fit.
-    assert node.skipped_over_memory == 1
-    assert [r.rid for r in node.requests] == [0]
-    results = simulator.run(node)
-    assert all(r.completed == 1 and r.skipped == 3 for r in results.values())
+    scenario = plan_scenario(requests, cfg, kv_memory_gib=0.5)
+    assert scenario.skipped_over_context == 1 and scenario.skipped_no_output == 1
+    assert [r.rid for r in scenario.requests] == [0, 3]
+    # 0.5 GiB holds ~1400 tokens of gemma-2-27b: every policy rejects request 3.
+    results = simulator.run(scenario, swa_ratio=0.5)
+    assert all(r.completed == 1 and r.rejected == 1 for r in results.values())
 
 
 def test_budget_too_small_for_one_request():
-    with pytest.raises(simulator.SimulationError, match="too small for one request"):
-        plan_node(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), kv_memory_gib=0.001)
+    scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), kv_memory_gib=0.001)
+    with pytest.raises(simulator.SimulationError, match="too small for one request under the 'full' policy"):
+        simulator.plan_runs(scenario)
 
 
-def test_report_keys():
-    node = plan_node(load_trace(MOONCAKE_SMALL), get_model("gpt-oss-120b"), page_size=16, kv_memory_gib=1.0)
-    report = simulator.report(simulator.run(node))
-    assert list(report) == list(POLICIES)
-    for metrics in report.values():
-        for key in simulator.PolicyResult.SUMMARY_KEYS:
-            assert key in metrics
+@pytest.mark.parametrize("kwargs", [{"kv_memory_gib": float("inf")}, {"time_scale": float("nan")},
+                                    {"step_ms": 0.0}, {"page_size": 0}, {"reserved_decode_tokens": -1}])
+def test_bad_settings(kwargs):
+    with pytest.raises(simulator.SimulationError):
+        plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), **kwargs)
+
+
+def test_report_has_config_and_policies():
+    scenario = plan_scenario(load_trace(MOONCAKE_SMALL), get_model("gpt-oss-120b"), trace="mooncake_small.jsonl",
+                             page_size=16, kv_memory_gib=1.0)
+    results = simulator.run(scenario, swa_ratio=0.4)
+    report = json.loads(json.dumps(simulator.report(scenario, results)))
+    assert list(report) == ["config", "policies"]
+    config = report["config"]
+    assert config["model"] == "gpt-oss-120b" and config["trace"] == "mooncake_small.jsonl"
+    assert config["page_size"] == 16 and config["kv_memory_gib"] == 1.0
+    assert config["swa_ratio"] == {"full": 1.0, "evict": 0.4, "tail": 0.4}
+    assert config["reserved_decode_tokens"] == simulator.DEFAULT_RESERVED_DECODE_TOKENS
+    assert config["requests"] == config["trace_requests"] == 24
+    assert list(report["policies"]) == list(POLICIES)
+    for metrics in report["policies"].values():
+        assert list(metrics) == list(simulator.PolicyResult.SUMMARY_KEYS)
+
+
+def test_table_columns_stay_apart():
+    # A slow replay of short steps makes the step counts longer than a column of
+    # twelve; every row still splits into its cells.
+    scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=2.0,
+                             time_scale=1000.0, step_ms=1e-5)
+    results = simulator.run(scenario, swa_ratio=0.5)
+    assert results["full"].steps > 10**12
+    table = simulator.format_table(scenario, results).splitlines()
+    header = table.index("") + 1
+    assert table[header].split() == list(POLICIES)
+    rows = table[header + 1:]
+    assert [row.split()[0] for row in rows] == list(simulator.PolicyResult.SUMMARY_KEYS)
+    assert all(len(row.split()) == 1 + len(POLICIES) for row in rows)
 
 
 def test_named_models():
@@ -205,7 +339,13 @@ def test_trace_formats(tmp_path):
     numeric = tmp_path / "numeric.csv"
     numeric.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2.5,10,3\n1.0,20,4\n")
     assert load_trace(numeric) == [Request(1, 0.0, 20, 4), Request(0, 1.5, 10, 3)]
+    # As a spreadsheet saves it: a byte-order mark and CRLF line ends.
+    spreadsheet = tmp_path / "spreadsheet.csv"
+    spreadsheet.write_bytes(b"\xef\xbb\xbfTIMESTAMP,ContextTokens,GeneratedTokens\r\n2.5,10,3\r\n1.0,20,4\r\n")
+    assert load_trace(spreadsheet) == load_trace(numeric)
     assert len(load_trace(limit=10)) == 10  # the bundled default
+    long_prompts = load_trace(MOONCAKE_LONG)
+    assert len(long_prompts) == 2000
 
 
 @pytest.mark.parametrize(
@@ -215,19 +355,28 @@ def test_trace_formats(tmp_path):
         ("bad_count.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,five,3\n"),
         ("bad_time.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,3\n"),
         ("negative.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,-5,3\n"),
+        ("negative_time.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n-1.0,5,3\n"),
+        ("infinite_time.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\ninf,5,3\n"),
         ("empty.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"),
         ("not_json.jsonl", '{"timestamp": 1, "input_length": 5\n'),
         ("missing_key.jsonl", '{"timestamp": 1, "input_length": 5}\n'),
         ("bad_time.jsonl", '{"timestamp": "x", "input_length": 5, "output_length": 2}\n'),
+        ("negative_time.jsonl", '{"timestamp": -3, "input_length": 5, "output_length": 2}\n'),
+        ("nan_time.jsonl", '{"timestamp": NaN, "input_length": 5, "output_length": 2}\n'),
+        ("bool_length.jsonl", '{"timestamp": 1, "input_length": true, "output_length": 2}\n'),
+        ("float_length.jsonl", '{"timestamp": 1, "input_length": 5, "output_length": 2.5}\n'),
+        ("string_length.jsonl", '{"timestamp": 1, "input_length": "5", "output_length": 2}\n'),
     ],
 )
 def test_malformed_traces(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
-    with pytest.raises(TraceError):
+    with pytest.raises(TraceError, match=name):
         load_trace(path)
 
 
 def test_missing_trace(tmp_path):
     with pytest.raises(TraceError, match="no such trace"):
         load_trace(tmp_path / "absent.csv")
+    with pytest.raises(TraceError, match="empty"):
+        load_trace("")
