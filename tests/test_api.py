@@ -1,5 +1,6 @@
 """The SGLang-facing surface that the traces do not exercise: attributes, kvcache
 registration, the pool views and their sharing of the hybrid allocator's state."""
+import pytest
 import torch
 
 import swa_ext
@@ -61,3 +62,59 @@ def test_standalone_pools():
     first = token.alloc(3)
     token.free(first[:1])
     assert token.release_pages.tolist() == [1] and token.available_size() == 6
+
+
+def run_calls(alloc):
+    """A few allocations and frees; their results, for comparing two allocators."""
+    out = [alloc.alloc_extend(torch.tensor([0, 0]), torch.tensor([0, 0]), torch.tensor([6, 9]), torch.tensor([6, 9]),
+                              torch.tensor([-1, -1]), 15)]
+    out.append(alloc.alloc(2 * alloc.page_size))
+    alloc.free(out[0][:6])
+    out.append(alloc.alloc(4 * alloc.page_size))
+    return [t.tolist() for t in out] + [alloc.full_available_size(), alloc.swa_available_size(),
+                                        alloc.translate_loc_from_full_to_swa(out[-1]).tolist()]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "emulated"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_resize_clears_at_the_new_sizes_and_keeps_the_mapping_tensor(page_size, kernels):
+    cache = RecordingKVCache()
+    alloc = make(page_size, kvcache=cache, kernels=kernels)
+    mapping = alloc.full_to_swa_index_mapping
+    run_calls(alloc)
+    alloc.resize(24 * page_size, 20 * page_size)
+    assert (alloc.size_full, alloc.size_swa) == (24 * page_size, 20 * page_size)
+    assert alloc.full_to_swa_index_mapping is mapping and mapping.numel() == 64 * page_size + page_size + 1
+    assert int(mapping[:-1].abs().sum()) == 0 and int(mapping[-1]) == -1
+    fresh = swa_ext.SWATokenToKVPoolAllocator(24 * page_size, 20 * page_size, page_size, torch.bfloat16, "cpu",
+                                              kernels=kernels)
+    assert run_calls(alloc) == run_calls(fresh)
+    assert alloc.alloc(16 * page_size) is None  # fewer than 16 pages of the 20-page SWA pool are left
+    alloc.check_invariants()
+
+
+@pytest.mark.parametrize("kernels", ["auto", "emulated"])
+def test_resize_refuses_growth_and_empty_pools_changing_nothing(kernels):
+    alloc = make(4, kernels=kernels)
+    run_calls(alloc)
+    before = alloc.backup_state()
+    for args, name in [((65 * 4, 32 * 4), "size"), ((64 * 4, 33 * 4), "size_swa"), ((3, 32 * 4), "size"),
+                       ((64 * 4, 0), "size_swa")]:
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            alloc.resize(*args)
+        assert alloc.backup_state() == before
+    alloc.resize(32 * 4, 32 * 4)
+    alloc.resize(64 * 4, 32 * 4)  # back up to the size it was built with
+    assert alloc.available_size() == 32 * 4
+
+
+@pytest.mark.parametrize("kernels", ["auto", "emulated"])
+def test_standalone_pool_resize(kernels):
+    pool = swa_ext.PagedTokenToKVPoolAllocator(64, 4, torch.bfloat16, "cpu", kernels=kernels)
+    pool.alloc(12)
+    pool.resize(32)
+    assert (pool.size, pool.num_pages, pool.available_size()) == (32, 8, 32)
+    assert pool.alloc(8).tolist() == list(range(4, 12))
+    with pytest.raises(ValueError, match="^size: "):
+        pool.resize(68)
+    assert pool.available_size() == 24

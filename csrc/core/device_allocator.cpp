@@ -148,7 +148,8 @@ std::string DeviceControl::describe(const int64_t* r) const {
 
 DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t size, int64_t page_size,
                        bool need_sort)
-    : control_(std::move(control)), slot_(slot), size_(size), num_pages_(0), page_(page_size), need_sort_(need_sort) {
+    : control_(std::move(control)), slot_(slot), size_(size), num_pages_(0), capacity_(size), page_(page_size),
+      need_sort_(need_sort) {
   if (page_size < 1) fail("page_size", "must be >= 1, got ", page_size);
   if (size < page_size) fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
   num_pages_ = size / page_size;
@@ -197,6 +198,13 @@ void DevicePool::clear() {
   base_unknown_ = false;
   group_open_ = group_has_index_frees_ = false;
   group_index_count_ = group_page_count_ = 0;
+}
+
+void DevicePool::resize(int64_t size, const char* arg) {
+  check_resize(arg, size, page_.size, capacity_);
+  size_ = size;
+  num_pages_ = size / page_.size;
+  clear();
 }
 
 void DevicePool::merge_and_sort_free() {
@@ -724,6 +732,15 @@ void DeviceHybridAllocator::evict_out_of_window(const int32_t* req_to_token32, c
 void DeviceHybridAllocator::clear() {
   full_->clear();
   swa_->clear();
+  reset_mapping();
+  control_->reset();
+}
+
+void DeviceHybridAllocator::resize(int64_t size, int64_t size_swa) {
+  check_resize("size", size, page_.size, full_->capacity());
+  check_resize("size_swa", size_swa, page_.size, swa_->capacity());
+  full_->resize(size, "size");
+  swa_->resize(size_swa, "size_swa");
   reset_mapping();
   control_->reset();
 }

@@ -111,6 +111,9 @@ class DevicePool {
   int64_t available_size() { return available_pages() * page_.size; }
 
   void clear();
+  // As PagePool::resize: the device arrays were sized at construction and are kept.
+  void resize(int64_t size, const char* arg = "size");
+  int64_t capacity() const { return capacity_; }
   void merge_and_sort_free();
   bool alloc(int64_t need_size, OutBuffer& out);
   bool alloc_extend(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, int64_t extend_num_tokens,
@@ -155,7 +158,7 @@ class DevicePool {
 
   std::shared_ptr<DeviceControl> control_;
   int slot_;
-  int64_t size_, num_pages_;
+  int64_t size_, num_pages_, capacity_;
   PageGeometry page_;
   bool need_sort_;
   // device arrays
@@ -215,6 +218,7 @@ class DeviceHybridAllocator {
                            int64_t interval, bool prefix_sharing, int64_t* new_evicted);
 
   void clear();
+  void resize(int64_t size, int64_t size_swa);  // as HybridAllocator::resize
   HybridAllocator::State backup_state();  // waits
   void restore_state(const HybridAllocator::State& state);
   void check_invariants();

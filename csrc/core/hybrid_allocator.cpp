@@ -285,6 +285,14 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
   }
 }
 
+void HybridAllocator::resize(int64_t size, int64_t size_swa) {
+  check_resize("size", size, page_size_, full_->capacity());
+  check_resize("size_swa", size_swa, page_size_, swa_->capacity());
+  full_->resize(size, "size");
+  swa_->resize(size_swa, "size_swa");
+  reset_mapping();
+}
+
 HybridAllocator::State HybridAllocator::backup_state() const {
   return State{*full_, *swa_, std::vector<int64_t>(mapping_, mapping_ + mapping_len_)};
 }

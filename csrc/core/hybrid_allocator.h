@@ -76,6 +76,9 @@ class HybridAllocator {
                            bool prefix_sharing, int64_t* new_evicted);
 
   void clear();
+  // Both pools cleared at new sizes (SGLang's post-capture KV sizing); the mapping table
+  // keeps its length and is cleared.
+  void resize(int64_t size, int64_t size_swa);
   std::string debug_string() const;
   void check_invariants() const;
   static void check_invariants(const PagePool& full, const PagePool& swa, const int64_t* mapping, int64_t mapping_len);

@@ -28,7 +28,7 @@ void PageClaim::add(const char* arg, int64_t page, bool repeat_ok) {
 }
 
 PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort)
-    : size_(size), page_size_(page_size), num_pages_(0), geometry_(page_size), need_sort_(need_sort) {
+    : size_(size), page_size_(page_size), num_pages_(0), capacity_(size), geometry_(page_size), need_sort_(need_sort) {
   if (page_size < 1) fail("page_size", "must be >= 1, got ", page_size);
   if (size < page_size) fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
   num_pages_ = size / page_size;
@@ -67,6 +67,18 @@ void PagePool::reset_state() {
 }
 
 void PagePool::clear() { reset_state(); }
+
+void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity) {
+  if (size < page_size) fail(arg, "must hold at least one page of ", page_size, " tokens, got ", size);
+  if (size > capacity) fail(arg, "cannot grow past the ", capacity, " tokens the pool was built with, got ", size);
+}
+
+void PagePool::resize(int64_t size, const char* arg) {
+  check_resize(arg, size, page_size_, capacity_);
+  PagePool resized(size, page_size_, need_sort_);
+  resized.capacity_ = capacity_;
+  *this = std::move(resized);
+}
 
 void PagePool::merge_and_sort_free() {
   if (staged_.empty()) return;

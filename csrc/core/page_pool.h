@@ -64,6 +64,10 @@ class PageClaim {
   bool committed_ = false;
 };
 
+// The rule of resize() for every pool: at least one page, and no more slots than the
+// pool was built with (its index arrays, device memory and the mapping table were sized then).
+void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity);
+
 class PagePool {
  public:
   PagePool(int64_t size, int64_t page_size, bool need_sort);
@@ -87,6 +91,9 @@ class PagePool {
   bool in_free_group() const { return group_open_; }
 
   void clear();
+  // A cleared pool of `size` slots (check_resize); the object stays, so views of it stay valid.
+  void resize(int64_t size, const char* arg = "size");
+  int64_t capacity() const { return capacity_; }
   void merge_and_sort_free();
 
   // SGLang's calls on one pool. An allocation returns false, changing nothing, when the
@@ -145,6 +152,7 @@ class PagePool {
   std::vector<int64_t> queued_by_index() const;
 
   int64_t size_, page_size_, num_pages_;
+  int64_t capacity_;  // the size at construction: resize() never grows past it
   PageGeometry geometry_;
   bool need_sort_;
   // The free list is ring_[head_ .. head_ + free_count_) modulo num_pages_: the page

@@ -342,6 +342,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              h.device_pool->clear();
              h.device_pool->control().reset();
            }, swa_docs::pool_clear)
+      .def("resize", [](PoolHandle& h, int64_t size) {
+             UseGuard guard(*h.busy);
+             if (h.pool) return h.pool->resize(size);
+             h.device_pool->resize(size);
+             h.device_pool->control().reset();
+           }, swa_docs::pool_resize, py::arg("size"))
       .def("debug_print", [](const PoolHandle& h) {
              return h.read([](const swa::PagePool& p) { return p.debug_string(); });
            }, swa_docs::pool_debug_print)
@@ -532,6 +538,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (h.core) h.core->clear();
              else h.device_core->clear();
            }, swa_docs::hybrid_clear)
+      .def("resize", [](HybridHandle& h, int64_t size, int64_t size_swa) {
+             UseGuard guard(*h.busy);
+             if (h.core) h.core->resize(size, size_swa);
+             else h.device_core->resize(size, size_swa);
+             h.after_change();
+           }, swa_docs::hybrid_resize, py::arg("size"), py::arg("size_swa"))
       // Waits for the device and raises an error its checks found since the last wait
       // (DeferredError); nothing to do on the CPU, whose calls raise at once.
       .def("check_device_errors", [](HybridHandle& h) {

@@ -135,6 +135,10 @@ inline constexpr char pool_merge_and_sort_free[] =
 
 inline constexpr char pool_clear[] = "Every page free again, no free group open.";
 
+inline constexpr char pool_resize[] =
+    "The pool cleared at a new size of `size` slots (tokens), at least one page and at most\n"
+    "the size it was built with. Raises ValueError naming `size`, changing nothing, otherwise.";
+
 inline constexpr char pool_debug_print[] = "A readable dump of the free and staged pages.";
 
 inline constexpr char pool_check_invariants[] =
@@ -280,6 +284,12 @@ inline constexpr char hybrid_evict_out_of_window[] =
 
 inline constexpr char hybrid_clear[] =
     "Both pools free again, the mapping zeroed (but its -1 sentinel), no free group open.";
+
+inline constexpr char hybrid_resize[] =
+    "Both pools cleared at new sizes: `size` full-attention and `size_swa` SWA slots (tokens),\n"
+    "each at least one page and at most the size it was built with (SGLang's post-capture KV\n"
+    "sizing only shrinks). The mapping is the same tensor, of the same length, zeroed. Raises\n"
+    "ValueError naming the argument, changing nothing, for a size out of range.";
 
 inline constexpr char hybrid_check_device_errors[] =
     "On a CUDA allocator: waits for the GPU and raises swa_ext.DeferredError for a failed\n"
