@@ -121,10 +121,14 @@ setup(
     ],
     packages=["swa_ext", "swa_ext_bench"],
     package_dir={"swa_ext": "swa_ext", "swa_ext_bench": "bench"},
-    package_data={"swa_ext": ["data/*.csv", "data/*.json"]},
+    package_data={"swa_ext": ["data/*.csv", "data/*.json", "data/*.jsonl", "data/LICENSE-*"]},
     ext_modules=[native_extension()],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=" + ".".join(map(str, MIN_PYTHON)),
     install_requires=[torch_requirement(), "numpy", "tqdm", "matplotlib"],
-    entry_points={"console_scripts": ["swa-ext = swa_ext.cli:main"]},
+    entry_points={
+        "console_scripts": ["swa-ext = swa_ext.cli:main"],
+        # SGLang loads it in each of its processes; it acts only when SWA_EXT_SGLANG is set.
+        "sglang.srt.plugins": ["swa_ext = swa_ext.sglang_plugin:plugin"],
+    },
 )

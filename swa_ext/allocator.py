@@ -58,10 +58,6 @@ class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         super().__init__(size, 1, dtype, device, kvcache, need_sort, kernels)
 
 
-def _pool_class(page_size):
-    return TokenToKVPoolAllocator if page_size == 1 else PagedTokenToKVPoolAllocator
-
-
 class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     """Full-attention and SWA page pools with the full-to-SWA slot mapping.
 
@@ -71,21 +67,26 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     section 4). The allocation methods return full-pool slots;
     ``translate_loc_from_full_to_swa`` gives their SWA slots. ``dtype`` and ``kvcache``
     are recorded for the caller; a ``kvcache`` with ``register_mapping`` is handed
-    ``full_to_swa_index_mapping``. ``need_sort`` stages freed pages and merges them
-    sorted when an allocation needs them.
+    ``full_to_swa_index_mapping``; the pool views get its ``full_kv_pool`` and
+    ``swa_kv_pool`` (None where it has none), as SGLang's do. ``need_sort`` stages freed
+    pages and merges them sorted when an allocation needs them.
 
     With ``device="cuda"`` the free lists, the mapping and every returned tensor live on
     the GPU (README: "CUDA"). ``kernels="emulated"`` with ``device="cpu"`` runs the GPU
     algorithm's kernels element by element on the CPU, for testing it without a GPU.
     """
 
+    # The classes of the two pool views at page size > 1 and 1 (swa_ext.sglang has its own).
+    _paged_view_class = PagedTokenToKVPoolAllocator
+    _token_view_class = TokenToKVPoolAllocator
+
     def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
         super().__init__(size, size_swa, page_size, torch.device(device), need_sort, kernels)
         self._dtype = dtype
         self._kvcache = kvcache
-        pool_class = _pool_class(page_size)
-        self._full_attn_allocator = pool_class._share(self._full_pool(), dtype, kvcache)
-        self._swa_attn_allocator = pool_class._share(self._swa_pool(), dtype, kvcache)
+        view_class = self._token_view_class if page_size == 1 else self._paged_view_class
+        self._full_attn_allocator = view_class._share(self._full_pool(), dtype, getattr(kvcache, "full_kv_pool", None))
+        self._swa_attn_allocator = view_class._share(self._swa_pool(), dtype, getattr(kvcache, "swa_kv_pool", None))
         if kvcache is not None and hasattr(kvcache, "register_mapping"):
             kvcache.register_mapping(self.full_to_swa_index_mapping)
 

@@ -138,6 +138,7 @@ def test_isolated_wheel_builds_against_the_installed_torch(source, tmp_path):
         info = f"swa_ext-{VERSION}.dist-info"
         meta = email.message_from_string(zf.read(f"{info}/METADATA").decode("utf-8"))
         licence = zf.read(f"{info}/licenses/LICENSE").decode()
+        entry_points = zf.read(f"{info}/entry_points.txt").decode()
     assert meta["Name"] == "swa_ext" and meta["Version"] == VERSION
     assert meta["License"] == "Apache-2.0" and meta["License-File"] == "LICENSE"
     assert licence == (ROOT / "LICENSE").read_text() and "Apache License" in licence
@@ -148,6 +149,12 @@ def test_isolated_wheel_builds_against_the_installed_torch(source, tmp_path):
     assert meta["Requires-Python"] == ">=3.10"
     assert any(n.startswith("swa_ext/_C") and n.endswith(".so") for n in names)
     assert "swa_ext/data/swa_model_configs.json" in names and "swa_ext_bench/micro.py" in names
+    # Every bundled data file: the simulator's traces (the Mooncake sample and its licence too).
+    for data in (ROOT / "swa_ext" / "data").iterdir():
+        assert f"swa_ext/data/{data.name}" in names, data.name
+    assert "swa_ext/sglang.py" in names and "swa_ext/sglang_plugin.py" in names
+    # SGLang finds the plugin through this entry point (README: "Using swa_ext in SGLang").
+    assert "[sglang.srt.plugins]\nswa_ext = swa_ext.sglang_plugin:plugin" in entry_points
 
     done = run([py, "-m", "pip", "install", wheel], env=pip_env(), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

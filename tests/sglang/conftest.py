@@ -1,0 +1,105 @@
+"""Tests of swa_ext inside SGLang 0.5.23. They need sglang importable (scripts/setup-sglang.sh
+installs it into .venv-cuda; scripts/run-tests.sh then runs them there) and skip, saying
+so, without it. The test-only stub of vllm._custom_ops (tests/sglang/stubs) gives
+SGLang's CPU path the one vLLM function it imports."""
+import json
+import os
+import sys
+
+import pytest
+
+STUBS = os.path.join(os.path.dirname(__file__), "stubs")
+sys.path.insert(0, STUBS)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # SGLang's triton kernels, interpreted on the CPU
+
+try:
+    import sglang.srt.mem_cache.allocator.swa  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the venv
+    pytest.skip(f"sglang is not importable ({e}): run scripts/setup-sglang.sh, then scripts/run-tests.sh",
+                allow_module_level=True)
+
+# The tiny hybrid model: Granite's SWA variant, alternating sliding and full layers.
+MODEL_CONFIG = {
+    "architectures": ["GraniteSWAForCausalLM"], "model_type": "granite_swa", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "max_position_embeddings": 4096, "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": True,
+}
+
+
+def write_checkpoint(path):
+    """Random weights large enough that the next token depends on the whole context
+    (SGLang's dummy weights, near zero, give outputs that ignore the KV cache)."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = MODEL_CONFIG
+    h, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim, inter = h // heads, c["intermediate_size"]
+    gen = torch.Generator().manual_seed(1234)
+
+    def rand(*shape, std=0.3):
+        return torch.randn(*shape, generator=gen) * std
+
+    weights = {"model.embed_tokens.weight": rand(c["vocab_size"], h, std=1.0), "model.norm.weight": torch.ones(h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, h), p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, h),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, h), p + "self_attn.o_proj.weight": rand(h, heads * head_dim),
+            p + "self_attn.sinks": torch.zeros(heads),
+            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter),
+        })
+    os.makedirs(path, exist_ok=True)
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("granite_swa_tiny"))
+    write_checkpoint(path)
+    return path
+
+
+class RecordingSWAKVCache:
+    """Stands for SGLang's SWAKVPool in allocator tests: the mapping registration and
+    translation, the two sub-pools, and a record of the CPU-copy calls it is handed."""
+
+    def __new__(cls, swa_req_ring_size=None):
+        from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
+
+        class Recording(BaseSWAKVPool):
+            full_kv_pool, swa_kv_pool = "the full KV pool", "the SWA KV pool"
+
+            def register_mapping(self, mapping):
+                self.full_to_swa_index_mapping = mapping
+                self.registered.append(mapping)
+
+            def translate_loc_from_full_to_swa(self, kv_indices):
+                return self.full_to_swa_index_mapping[kv_indices]
+
+            def get_state_buf_infos(self):
+                return [], [], []
+
+            def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+                self.calls.append(("get_cpu_copy", indices.tolist()))
+                return "cpu copy"
+
+            def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
+                self.calls.append(("load_cpu_copy", kv_cache_cpu, indices.tolist()))
+
+        Recording.__abstractmethods__ = frozenset()  # the KV buffers are not needed here
+        cache = object.__new__(Recording)
+        cache.registered, cache.calls, cache.swa_req_ring_size = [], [], swa_req_ring_size
+        return cache
+
+
+def t(values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.int64)

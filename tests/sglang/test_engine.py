@@ -1,0 +1,96 @@
+"""SGLang's own offline Engine on the CPU serving requests on swa_ext's allocator
+(SWA_EXT_SGLANG=1) and in lockstep with SGLang's (SWA_EXT_SGLANG=lockstep): the output
+ids and cached-token counts must be those of SGLang's allocator, with SGLang's strict
+memory and KV-page checks on. Each run is its own process (tests/sglang/engine_run.py),
+since the plugin and the checks are read at start-up."""
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import STUBS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_POOL = (8192, "default")  # (max_total_tokens, swa_full_tokens_ratio)
+# Fewer tokens than the four requests need at once: requests queue, retract, and the
+# radix cache evicts. Ratio 1.0: SGLang's CPU attention paths read the SWA layers with
+# untranslated indices on a smaller SWA pool, with its own allocator too.
+TIGHT_POOL = (400, "1.0")
+
+
+@functools.lru_cache(maxsize=None)
+def run_engine(model, page_size, pool, mode):
+    """One engine run: its results, log, lockstep counts and wall time."""
+    out_dir = os.path.join(os.path.dirname(model), f"run-{page_size}-{pool[0]}-{mode}")
+    os.makedirs(out_dir, exist_ok=True)
+    result, report = os.path.join(out_dir, "result.json"), os.path.join(out_dir, "lockstep.json")
+    env = dict(os.environ, SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
+               SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", SGLANG_CHECK_KV_PAGE_INVARIANTS="1",
+               TRITON_INTERPRET="1", SWA_EXT_LOCKSTEP_REPORT=report,
+               PYTHONPATH=os.pathsep.join([STUBS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("SWA_EXT_SGLANG", None)
+    if mode != "sglang":
+        env["SWA_EXT_SGLANG"] = mode
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_run.py"), model, result, str(page_size),
+                           str(pool[0]), pool[1]], env=env, capture_output=True, text=True, timeout=900)
+    wall = time.monotonic() - start
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and os.path.exists(result), f"engine run failed ({mode}):\n{log[-6000:]}"
+    with open(result) as f:
+        rounds = json.load(f)["rounds"]
+    counts = {}
+    if os.path.exists(report):
+        with open(report) as f:
+            counts = json.load(f)
+    print(f"engine run page {page_size} pool {pool} {mode}: {wall:.0f} s, lockstep calls {sum(counts.values())}")
+    return {"rounds": rounds, "log": log, "counts": counts, "wall": wall}
+
+
+def swa_ext_lines(log):
+    return [line for line in log.splitlines() if "swa_ext:" in line]
+
+
+CONFIGS = [(16, DEFAULT_POOL), (1, DEFAULT_POOL), (16, TIGHT_POOL), (1, TIGHT_POOL)]
+
+
+@pytest.mark.parametrize("page_size,pool", CONFIGS, ids=[f"page{p}-pool{q[0]}" for p, q in CONFIGS])
+def test_swa_ext_serves_sglangs_engine_with_sglangs_outputs(tiny_model, page_size, pool):
+    reference = run_engine(tiny_model, page_size, pool, "sglang")
+    served = run_engine(tiny_model, page_size, pool, "1")
+    assert served["rounds"] == reference["rounds"]
+    assert not swa_ext_lines(reference["log"])
+    lines = swa_ext_lines(served["log"])
+    assert len(lines) == 1 and "SWATokenToKVPoolAllocator serves a full pool of" in lines[0], lines
+    assert f"page size {page_size}" in lines[0]
+    # The second round hits the radix cache; the first has nothing to hit.
+    assert all(o["cached_tokens"] == 0 for o in reference["rounds"][0])
+    assert any(o["cached_tokens"] > 0 for o in reference["rounds"][1])
+
+
+LOCKSTEP_CONFIGS = [(16, DEFAULT_POOL), (16, TIGHT_POOL), (1, TIGHT_POOL)]
+
+
+@pytest.mark.parametrize("page_size,pool", LOCKSTEP_CONFIGS, ids=[f"page{p}-pool{q[0]}" for p, q in LOCKSTEP_CONFIGS])
+def test_lockstep_engine_run_has_no_divergence(tiny_model, page_size, pool):
+    reference = run_engine(tiny_model, page_size, pool, "sglang")
+    lockstep = run_engine(tiny_model, page_size, pool, "lockstep")  # a divergence raises in the scheduler
+    assert lockstep["rounds"] == reference["rounds"]
+    assert "LockstepDivergence" not in lockstep["log"]
+    counts = lockstep["counts"]
+    decode_call = "alloc_decode" if page_size > 1 else "alloc"
+    for call in (decode_call, "free", "available_size", "swa_available_size", "free_group_begin", "free_group_end"):
+        assert counts.get(call, 0) > 0, (call, counts)
+    assert counts.get("alloc_extend", 0) > 0 or page_size == 1
+
+
+def test_outputs_depend_on_the_context(tiny_model):
+    """Each round-2 prompt ends on its round-1 prompt's last token after another context:
+    with weights that read the KV cache, the continuations differ."""
+    rounds = run_engine(tiny_model, 16, DEFAULT_POOL, "sglang")["rounds"]
+    for i in range(4):
+        assert rounds[1][i]["output_ids"][:8] != rounds[0][i]["output_ids"][:8]
