@@ -304,9 +304,9 @@ def _us(x) -> str:
 
 def _progress(r) -> str:
     return (f"{r['device']} {r['op']} B={r['batch_size']} ps={r['page_size']}: "
-            f"native {_us(r['native_median_us'])} µs, baseline {_us(r['baseline_median_us'])} µs, "
-            f"sglang {_us(r['sglang_median_us'])} µs, floor {_us(r['floor_median_us'])} µs "
-            f"({_ratio(r['speedup_vs_baseline'])} vs baseline, {_ratio(r['speedup_vs_sglang'])} vs sglang, "
+            + ", ".join(f"{impl} {_us(r[f'{impl}_median_us'])}" + ("" if r[f"{impl}_median_us"] is None else " µs")
+                        for impl in IMPLS)
+            + f" ({_ratio(r['speedup_vs_baseline'])} vs baseline, {_ratio(r['speedup_vs_sglang'])} vs sglang, "
             f"{r['iters']} iters)"
             + ("" if r["results_match"] else "  BASELINE RESULTS DIFFER")
             + ("" if r["sglang_results_match"] in (None, True) else f"  SGLANG DIFFERS: {r['sglang_mismatch']}"))
