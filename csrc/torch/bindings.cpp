@@ -119,12 +119,16 @@ c10::Device device_arg(const py::object& device) {
 }
 
 // The executor of a device allocator: the GPU's, or (kernels="emulated", on the CPU)
-// the ops run element by element on the host, for testing the device algorithm.
+// the ops run element by element on the host, for testing the device algorithm; none
+// for the CPU core. kernels takes the values the `kernels` property reports ('cpu',
+// 'cuda', 'emulated') and 'auto', the one its device implies.
 std::shared_ptr<swa::Executor> device_executor(const c10::Device& device, const std::string& kernels) {
-  if (kernels != "auto" && kernels != "emulated")
-    throw py::value_error("kernels: expected 'auto' or 'emulated', got '" + kernels + "'");
+  if (kernels != "auto" && kernels != "cpu" && kernels != "cuda" && kernels != "emulated")
+    throw py::value_error("kernels: expected 'auto', 'cpu', 'cuda' or 'emulated', got '" + kernels + "'");
+  if (kernels == "cuda" && !device.is_cuda()) throw py::value_error("kernels: 'cuda' runs on device='cuda' only");
   if (device.is_cpu()) return kernels == "emulated" ? std::make_shared<swa::HostExecutor>() : nullptr;
-  if (kernels == "emulated") throw py::value_error("kernels: 'emulated' runs on device='cpu' only");
+  if (kernels != "auto" && kernels != "cuda")
+    throw py::value_error("kernels: '" + kernels + "' runs on device='cpu' only");
 #ifdef SWA_EXT_WITH_CUDA
   return swa::make_cuda_executor(device);
 #else
