@@ -85,26 +85,6 @@ void check_num_new_pages(int64_t num_new_pages, const AllocPlan& plan) {
     fail("num_new_pages", "is ", num_new_pages, " but the lengths need ", plan.full_pages, " new pages");
 }
 
-bool merge_due(const AllocPlan& plan, PoolRole pool, int64_t free_pages, const PageGeometry& page) {
-  const bool swa = pool == PoolRole::kSwa;
-  switch (plan.call) {
-    case AllocCall::kAlloc:
-      return plan.full_pages > free_pages;
-    case AllocCall::kDecode:
-      return plan.batch_size > free_pages;
-    case AllocCall::kExtend:
-      return extend_merge_due(plan.full_pages, plan.num_tokens, plan.batch_size, free_pages, page);
-    case AllocCall::kExtendSwaTail:
-      if (!swa) return extend_merge_due(plan.full_pages, plan.num_tokens, 1, free_pages, page);
-      return plan.swa_tokens > 0 && extend_merge_due(plan.swa_pages, plan.swa_tokens, 1, free_pages, page);
-  }
-  return false;
-}
-
-bool hybrid_refused(const AllocPlan& plan, int64_t full_available_pages, int64_t swa_available_pages) {
-  return !new_pages_available(plan.full_pages, plan.swa_pages, full_available_pages, swa_available_pages);
-}
-
 void check_segment_start(int64_t start_pos, const PageGeometry& page) {
   if (start_pos < 0 || page.offset(start_pos) != 0)
     fail("start_pos", start_pos, " is not page-aligned (page size ", page.size, ")");

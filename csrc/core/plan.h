@@ -77,18 +77,36 @@ AllocPlan plan_decode(const BatchLengths& batch, const LastLoc& last_loc, const 
 void check_num_new_pages(int64_t num_new_pages, const AllocPlan& plan);
 
 enum class PoolRole { kFull, kSwa };
-// need_sort's merge trigger of the call on one pool, given its free (not staged) pages.
-bool merge_due(const AllocPlan& plan, PoolRole pool, int64_t free_pages, const PageGeometry& page);
-// A hybrid allocation is refused, before anything changes (merges included), unless both
-// pools hold its pages; a lone pool merges first and refuses on its free pages then, as
-// SGLang's does.
-bool hybrid_refused(const AllocPlan& plan, int64_t full_available_pages, int64_t swa_available_pages);
-inline bool pool_refused(const AllocPlan& plan, int64_t free_pages_after_merge) {
-  return plan.full_pages > free_pages_after_merge;
-}
 inline bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages, int64_t full_available_pages,
                                 int64_t swa_available_pages) {
   return num_full_pages <= full_available_pages && num_swa_pages <= swa_available_pages;
+}
+// need_sort's merge trigger of the call on one pool, given its free (not staged) pages.
+// Inline, with the refusals: they run on every allocation.
+inline bool merge_due(const AllocPlan& plan, PoolRole pool, int64_t free_pages, const PageGeometry& page) {
+  const bool swa = pool == PoolRole::kSwa;
+  switch (plan.call) {
+    case AllocCall::kAlloc:
+      return plan.full_pages > free_pages;
+    case AllocCall::kDecode:
+      return plan.batch_size > free_pages;
+    case AllocCall::kExtend:
+      return extend_merge_due(plan.full_pages, plan.num_tokens, plan.batch_size, free_pages, page);
+    case AllocCall::kExtendSwaTail:
+      if (!swa) return extend_merge_due(plan.full_pages, plan.num_tokens, 1, free_pages, page);
+      return plan.swa_tokens > 0 && extend_merge_due(plan.swa_pages, plan.swa_tokens, 1, free_pages, page);
+  }
+  return false;
+}
+
+inline bool hybrid_refused(const AllocPlan& plan, int64_t full_available_pages, int64_t swa_available_pages) {
+  return !new_pages_available(plan.full_pages, plan.swa_pages, full_available_pages, swa_available_pages);
+}
+// A hybrid allocation is refused, before anything changes (merges included), unless both
+// pools hold its pages (hybrid_refused); a lone pool merges first and refuses on its free
+// pages then, as SGLang's does.
+inline bool pool_refused(const AllocPlan& plan, int64_t free_pages_after_merge) {
+  return plan.full_pages > free_pages_after_merge;
 }
 // available_size() of the hybrid allocator: what both pools can still hold.
 inline int64_t hybrid_available_size(int64_t full_available, int64_t swa_available) {
