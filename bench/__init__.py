@@ -16,13 +16,13 @@ from .baseline import (
     BaselineTokenAllocator,
     get_num_new_pages,
 )
-from .evict_baseline import evict_per_request, evict_target
+from .evict_baseline import evict_per_request, evicted_after_step
 
 __all__ = [
     "BaselinePagedAllocator",
     "BaselineSWAAllocator",
     "BaselineTokenAllocator",
     "evict_per_request",
-    "evict_target",
+    "evicted_after_step",
     "get_num_new_pages",
 ]

@@ -15,7 +15,7 @@ from typing import List
 
 import torch
 
-__all__ = ["evict_per_request", "evict_target"]
+__all__ = ["evict_per_request", "evicted_after_step"]
 
 
 def _to_list(x) -> List[int]:
@@ -24,9 +24,9 @@ def _to_list(x) -> List[int]:
     return [int(v) for v in x]
 
 
-def evict_target(
-    pre_len: int,
+def evicted_after_step(
     evicted: int,
+    pre_len: int,
     window: int,
     page_size: int,
     interval: int = 1,
@@ -66,7 +66,7 @@ def evict_per_request(
     ``rows[j]`` is request ``j``'s row in ``req_to_token``, ``pre_lens[j]`` its
     committed length (``seq_len - 1`` in a decode step) and ``evicted[j]`` its
     current ``swa_evicted_seqlen`` (page-aligned). For each request that is due
-    (see ``evict_target``), in batch order, calls
+    (see ``evicted_after_step``), in batch order, calls
     ``allocator.free_swa_segment(req_to_token[row, evicted:new], start_pos=evicted)``.
     Returns the new evicted boundaries, one per request; the inputs are not
     modified.
@@ -76,7 +76,7 @@ def evict_per_request(
     out = _to_list(evicted)
     for j, row in enumerate(rows):
         old = out[j]
-        new = evict_target(pre_lens[j], old, window, page_size, interval, prefix_sharing)
+        new = evicted_after_step(old, pre_lens[j], window, page_size, interval, prefix_sharing)
         if new > old:
             allocator.free_swa_segment(req_to_token[row, old:new], start_pos=old)
             out[j] = new

@@ -59,10 +59,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 import swa_ext
-from swa_ext import _C
+from swa_ext import _C, decode
 
 from .baseline import BaselineSWAAllocator
-from .evict_baseline import evict_per_request, evict_target
+from .evict_baseline import evict_per_request
 
 __all__ = ["OPS", "DEFAULT_BATCH_SIZES", "DEFAULT_PAGE_SIZES", "run", "to_markdown", "plot", "main"]
 
@@ -100,13 +100,8 @@ NOTES = {
 }
 
 
-def floor_fn():
-    """The floor callable and its description."""
-    f = getattr(_C, "bench_floor", None)
-    if f is not None:
-        return f, "swa_ext._C.bench_floor"
-    # An extension built before bench_floor existed: the nearest stand-in.
-    return (lambda *args: args[-1]), "python lambda (this build lacks swa_ext._C.bench_floor)"
+FLOOR_IMPL = "swa_ext._C.bench_floor"
+EVICT_IMPL = "swa_ext.decode.evict_out_of_window"
 
 
 def default_devices() -> List[str]:
@@ -114,20 +109,6 @@ def default_devices() -> List[str]:
     if torch.cuda.is_available() and swa_ext.built_with_cuda():
         devices.append("cuda")
     return devices
-
-
-def _native_evict():
-    """The batched native eviction: ``swa_ext.decode.evict_out_of_window`` when it
-    exists, else the allocator's method."""
-    try:
-        from swa_ext import decode  # type: ignore
-
-        fn = getattr(decode, "evict_out_of_window", None)
-    except ImportError:
-        fn = None
-    if fn is not None:
-        return fn, "swa_ext.decode.evict_out_of_window"
-    return None, "SWATokenToKVPoolAllocator.evict_out_of_window"
 
 
 # ---------------------------------------------------------------------------
@@ -274,15 +255,9 @@ class _Case:
         pre = _i64(self.pre)
         evicted = _i64(self.evicted)
         out = torch.empty(B, dtype=torch.int64)
-        native_fn, _ = _native_evict()
         nat_alloc, base = self.native, self.base
-        if native_fn is not None:
-            nat = lambda: native_fn(nat_alloc, r2t, rows, pre, evicted, WINDOW)  # noqa: E731
-        else:
-            meth = nat_alloc.evict_out_of_window
-            nat = lambda: meth(r2t, rows, pre, evicted, WINDOW)  # noqa: E731
         return (
-            nat,
+            lambda: decode.evict_out_of_window(nat_alloc, r2t, rows, pre, evicted, WINDOW),
             lambda: evict_per_request(base, r2t, rows, pre, evicted, WINDOW, ps),
             lambda: floor(r2t, rows, pre, evicted, out),
         )
@@ -419,8 +394,6 @@ def run(
     for d in devices:
         if d.startswith("cuda") and not (torch.cuda.is_available() and swa_ext.built_with_cuda()):
             raise ValueError("CUDA requested, but no GPU is visible or swa_ext was built without CUDA")
-    floor, floor_name = floor_fn()
-    _, evict_name = _native_evict()
 
     gc.collect()
     old_threads = torch.get_num_threads()
@@ -431,13 +404,12 @@ def run(
         if flush_cache_mb > 0:
             flush = torch.zeros(int(flush_cache_mb) * (1 << 20) // 8, dtype=torch.int64)
         return _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case,
-                    progress, floor, floor_name, evict_name, flush)
+                    progress, flush)
     finally:
         torch.set_num_threads(old_threads)
 
 
-def _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case, progress,
-         floor, floor_name, evict_name, flush):
+def _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case, progress, flush):
     rows: List[dict] = []
     total = len(devices) * len(page_sizes) * len(batch_sizes) * len(ops)
     done = 0
@@ -446,7 +418,7 @@ def _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case,
             for B in batch_sizes:
                 case = _Case(B, ps, device)
                 for op in ops:
-                    fns = case.op(op, floor)
+                    fns = case.op(op, _C.bench_floor)
                     times, n, match = _measure(case, fns, iters, seconds_per_case, warmup, flush)
                     row = {
                         "device": device,
@@ -457,12 +429,12 @@ def _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case,
                         "calls": B if op == "alloc_extend_swa_tail" else 1,
                         "note": NOTES[op],
                         "results_match": match,
-                        "floor_impl": floor_name,
+                        "floor_impl": FLOOR_IMPL,
                         "torch_threads": torch.get_num_threads(),
                         "flush_cache_mb": 0 if flush is None else flush.numel() * 8 >> 20,
                     }
                     if op == "evict_out_of_window":
-                        row["native_impl"] = evict_name
+                        row["native_impl"] = EVICT_IMPL
                     for impl in IMPLS:
                         s = _stats(times[impl])
                         for k, v in s.items():

@@ -29,7 +29,7 @@ __all__ = [
     "PagePoolRef",
     "SWAAllocatorRef",
     "swa_tail_len",
-    "evict_step",
+    "evicted_after_step",
     "cdiv",
 ]
 
@@ -48,26 +48,28 @@ def cdiv(a: int, b: int) -> int:
 # input conversion and checks
 
 
+# A value of the wrong type raises TypeError and a bad value ValueError, as in
+# swa_ext.decode and the native classes.
 def _ints(values, what: str) -> list[int]:
     """A list of ints from a list, any iterable of ints, or a tensor (.tolist())."""
     if hasattr(values, "tolist"):
         values = values.tolist()
     if isinstance(values, bool):
-        raise ValueError(f"{what}: expected integers, got a bool")
+        raise TypeError(f"{what}: expected integers, got a bool")
     if isinstance(values, int):  # a 0-d tensor or a bare int
         return [values]
     try:
         items = list(values)
     except TypeError:
-        raise ValueError(f"{what}: expected a sequence of integers") from None
+        raise TypeError(f"{what}: expected a sequence of integers") from None
     out = []
     for v in items:
         if isinstance(v, bool):
-            raise ValueError(f"{what}: expected integers, got a bool")
+            raise TypeError(f"{what}: expected integers, got a bool")
         try:
             out.append(operator.index(v))
         except TypeError:
-            raise ValueError(f"{what}: {v!r} is not an integer") from None
+            raise TypeError(f"{what}: {v!r} is not an integer") from None
     return out
 
 
@@ -75,11 +77,11 @@ def _int(value, what: str) -> int:
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected an integer, got a bool")
+        raise TypeError(f"{what}: expected an integer, got a bool")
     try:
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"{what}: {value!r} is not an integer") from None
+        raise TypeError(f"{what}: {value!r} is not an integer") from None
 
 
 def _require(cond: bool, message: str) -> None:
@@ -815,8 +817,8 @@ def swa_tail_len(seq_len: int, window: int, page_size: int, radix_cache: bool = 
     return seq_len - start
 
 
-def evict_step(evicted: int, pre_len: int, window: int, page_size: int,
-               interval: int = 1, prefix_sharing: bool = False) -> int:
+def evicted_after_step(evicted: int, pre_len: int, window: int, page_size: int,
+                       interval: int = 1, prefix_sharing: bool = False) -> int:
     """The new SWA-evicted length of a request at committed length pre_len.
 
     Returns `evicted` unchanged when nothing is to be freed; otherwise a larger,

@@ -1,5 +1,7 @@
 """The SGLang-facing surface that the traces do not exercise: attributes, kvcache
 registration, the pool views and their sharing of the hybrid allocator's state."""
+import re
+
 import pytest
 import torch
 
@@ -118,3 +120,20 @@ def test_standalone_pool_resize(kernels):
     with pytest.raises(ValueError, match="^size: "):
         pool.resize(68)
     assert pool.available_size() == 24
+
+
+@pytest.mark.parametrize("kernels", ["auto", "cpu", "emulated"])
+def test_kernels_argument_takes_the_values_the_property_reports(kernels):
+    alloc = swa_ext.SWATokenToKVPoolAllocator(64, 64, 4, torch.bfloat16, "cpu", kernels=kernels)
+    assert alloc.kernels == ("cpu" if kernels == "auto" else kernels)
+    again = swa_ext.SWATokenToKVPoolAllocator(64, 64, 4, torch.bfloat16, "cpu", kernels=alloc.kernels)
+    assert again.kernels == alloc.kernels
+
+
+@pytest.mark.parametrize("kernels, message", [
+    ("cuda", "kernels: 'cuda' runs on device='cuda' only"),
+    ("gpu", "kernels: expected 'auto', 'cpu', 'cuda' or 'emulated', got 'gpu'"),
+])
+def test_kernels_argument_that_the_device_cannot_run_is_named(kernels, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        swa_ext.SWATokenToKVPoolAllocator(64, 64, 4, torch.bfloat16, "cpu", kernels=kernels)

@@ -26,10 +26,10 @@ import golden_replay  # noqa: E402  (tests/golden_replay.py, shared driver)
 # package only when the source tree is not importable.
 try:
     from bench.baseline import BaselineSWAAllocator  # noqa: E402
-    from bench.evict_baseline import evict_per_request, evict_target  # noqa: E402
+    from bench.evict_baseline import evict_per_request, evicted_after_step  # noqa: E402
 except ImportError:
     from swa_ext_bench.baseline import BaselineSWAAllocator  # noqa: E402
-    from swa_ext_bench.evict_baseline import evict_per_request, evict_target  # noqa: E402
+    from swa_ext_bench.evict_baseline import evict_per_request, evicted_after_step  # noqa: E402
 
 TRACES = sorted((TESTS / "golden").glob("*.jsonl.gz"))
 
@@ -93,7 +93,7 @@ def test_evict_per_request_matches_trace_meta():
     for name, ps, rec in _eviction_records():
         m = rec["meta"]
         old, new, pre = m["old"], m["new"], m["pre_len"]
-        assert evict_target(pre, old, m["window"], ps) == new, (name, m)
+        assert evicted_after_step(old, pre, m["window"], ps) == new, (name, m)
         # One request whose row holds the traced indices at [old, new).
         row = torch.zeros((1, new + 4), dtype=torch.int32)
         row[0, old:new] = torch.tensor(rec["indices"], dtype=torch.int32)
@@ -105,24 +105,24 @@ def test_evict_per_request_matches_trace_meta():
     assert n > 100
 
 
-def test_evict_target_rules():
+def test_evicted_after_step_rules():
     # Not due: the window has not passed evicted + interval.
-    assert evict_target(10, 0, 10, 4) == 0
-    assert evict_target(13, 0, 10, 4, interval=4) == 0
+    assert evicted_after_step(0, 10, 10, 4) == 0
+    assert evicted_after_step(0, 13, 10, 4, interval=4) == 0
     # Due, but the page-aligned boundary has not moved.
-    assert evict_target(13, 0, 10, 4) == 0
-    assert evict_target(14, 0, 10, 4) == 4
-    assert evict_target(14, 4, 10, 4) == 4
-    assert evict_target(40, 4, 10, 4, interval=8) == 28
+    assert evicted_after_step(0, 13, 10, 4) == 0
+    assert evicted_after_step(0, 14, 10, 4) == 4
+    assert evicted_after_step(4, 14, 10, 4) == 4
+    assert evicted_after_step(4, 40, 10, 4, interval=8) == 28
     # Prefix sharing keeps cdiv(max(W, ps), ps) * ps behind pre_len.
-    assert evict_target(40, 0, 10, 16) == 16
-    assert evict_target(40, 0, 10, 16, prefix_sharing=True) == 16
-    assert evict_target(40, 0, 5, 16, prefix_sharing=True) == 16
-    assert evict_target(31, 0, 5, 16, prefix_sharing=True) == 0
-    assert evict_target(100, 0, 40, 16, prefix_sharing=True) == 48
-    assert evict_target(100, 0, 40, 16) == 48
-    assert evict_target(50, 0, 3, 1) == 47
-    assert evict_target(50, 0, 3, 1, prefix_sharing=True) == 47
+    assert evicted_after_step(0, 40, 10, 16) == 16
+    assert evicted_after_step(0, 40, 10, 16, prefix_sharing=True) == 16
+    assert evicted_after_step(0, 40, 5, 16, prefix_sharing=True) == 16
+    assert evicted_after_step(0, 31, 5, 16, prefix_sharing=True) == 0
+    assert evicted_after_step(0, 100, 40, 16, prefix_sharing=True) == 48
+    assert evicted_after_step(0, 100, 40, 16) == 48
+    assert evicted_after_step(0, 50, 3, 1) == 47
+    assert evicted_after_step(0, 50, 3, 1, prefix_sharing=True) == 47
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])

@@ -25,7 +25,7 @@ import torch
 
 import swa_ext
 from cuda_support import cuda_skip_reason
-from swa_ext.reference import evict_step
+from swa_ext.reference import evicted_after_step
 
 
 # Where the allocator under test runs, set per test by the `backend` fixture: "cuda"
@@ -230,7 +230,7 @@ class ServingScript:
     def evict(self, rows, window, interval, prefix_sharing, int32):
         pre = [self.lens[r] for r in rows]
         old = [self.evicted[r] for r in rows]
-        new = [evict_step(e, p, window, self.ps, interval, prefix_sharing) for e, p in zip(old, pre)]
+        new = [evicted_after_step(e, p, window, self.ps, interval, prefix_sharing) for e, p in zip(old, pre)]
         assert new != old, "the script should evict something here"
         rows_h, pre_h, old_h = T(rows), T(pre), T(old)
 
@@ -589,7 +589,7 @@ class Differential:
         rows_c, pre_c, old_c = T(range(1, len(rids) + 1)), T(pre), T(old)
         new = self.both("evict_out_of_window", (table, rows_c, pre_c, old_c, window, interval, prefix_sharing),
                         (table.to(self.dev), rows_c, pre_c, old_c, window, interval, prefix_sharing))
-        want = [evict_step(e, p, window, ps, interval, prefix_sharing) for e, p in zip(old, pre)]
+        want = [evicted_after_step(e, p, window, ps, interval, prefix_sharing) for e, p in zip(old, pre)]
         if new != want:
             self.fail(f"evict_out_of_window returned {new}, the rule says {want}")
         for r, e in zip(rids, new):

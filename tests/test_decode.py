@@ -66,7 +66,7 @@ def test_evicted_after_step_matches_the_rule(page_size):
                 for interval in (1, 2, page_size + 1):
                     for sharing in (False, True):
                         got = decode.evicted_after_step(evicted, pre_len, window, page_size, interval, sharing)
-                        want = reference.evict_step(evicted, pre_len, window, page_size, interval, sharing)
+                        want = reference.evicted_after_step(evicted, pre_len, window, page_size, interval, sharing)
                         assert got == want, (evicted, pre_len, window, page_size, interval, sharing)
 
 
@@ -328,7 +328,7 @@ def test_eviction_accepts_lists_and_leaves_its_inputs_alone():
     _, evicted = decode.pre_alloc(alloc, pool.req_to_token, 1, 30, window)
     evicted_t = torch.tensor([evicted])
     got = decode.evict_out_of_window(alloc, pool.req_to_token, [1], [29 + 2 * ps], evicted_t, window)
-    assert got.tolist() == [reference.evict_step(evicted, 29 + 2 * ps, window, ps)]
+    assert got.tolist() == [reference.evicted_after_step(evicted, 29 + 2 * ps, window, ps)]
     assert got.tolist() != [evicted] and evicted_t.tolist() == [evicted]
     assert decode.evict_out_of_window(alloc, pool.req_to_token, [], [], [], window).tolist() == []
 

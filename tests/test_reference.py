@@ -32,7 +32,7 @@ _ref = _load_reference()
 PagePoolRef = _ref.PagePoolRef
 SWAAllocatorRef = _ref.SWAAllocatorRef
 TokenPoolRef = _ref.TokenPoolRef
-evict_step = _ref.evict_step
+evicted_after_step = _ref.evicted_after_step
 swa_tail_len = _ref.swa_tail_len
 
 TRACES = trace_paths()
@@ -56,7 +56,7 @@ def test_golden_replay(path):
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.name.removesuffix(".jsonl.gz") for p in TRACES])
 def test_golden_meta_follows_section5(path):
-    """The recorded preallocation tails and eviction steps follow swa_tail_len / evict_step."""
+    """The recorded preallocation tails and eviction steps follow swa_tail_len / evicted_after_step."""
     records = load_trace(path)
     ps = records[0]["page_size"]
     for no, rec in enumerate(records):
@@ -69,7 +69,7 @@ def test_golden_meta_follows_section5(path):
             assert meta["fill_len"] - tail == meta["swa_evicted_seqlen"], (no, rec)
         else:
             # The traces' eviction runs without prefix sharing, radix or not.
-            assert evict_step(meta["old"], meta["pre_len"], meta["window"], ps) == meta["new"], (no, rec)
+            assert evicted_after_step(meta["old"], meta["pre_len"], meta["window"], ps) == meta["new"], (no, rec)
             assert len(rec["indices"]) == meta["new"] - meta["old"], (no, rec)
             if "start_pos" in rec:
                 assert rec["start_pos"] == meta["old"], (no, rec)
@@ -124,7 +124,7 @@ def test_swa_tail_len(seq_len, window, ps, radix, tail):
     ],
 )
 def test_evict_step(evicted, pre_len, window, ps, interval, sharing, new):
-    assert evict_step(evicted, pre_len, window, ps, interval=interval, prefix_sharing=sharing) == new
+    assert evicted_after_step(evicted, pre_len, window, ps, interval=interval, prefix_sharing=sharing) == new
 
 
 # ---------------------------------------------------------------- pools by hand
@@ -431,7 +431,7 @@ def test_random_lifecycle_keeps_invariants(ps, need_sort, steps):
             out = a.alloc_decode([seq], [seq], [row[-1]])
             if out is not None:
                 row.extend(out)
-                new = evict_step(evicted, seq - 1, window, ps)
+                new = evicted_after_step(evicted, seq - 1, window, ps)
                 if new > evicted:
                     a.free_swa_segment(row[evicted:new], start_pos=evicted)
                     req[1] = new

@@ -3,7 +3,7 @@
 A hypothesis ``RuleBasedStateMachine`` drives ``swa_ext.SWATokenToKVPoolAllocator``
 and ``swa_ext.reference.SWAAllocatorRef`` with the same random calls: prefill
 batches, chunked prefill, decode-side tail preallocation (``alloc_extend_swa_tail``),
-decode batches, window eviction (``evict_out_of_window`` natively, ``evict_step`` +
+decode batches, window eviction (``evict_out_of_window`` natively, ``evicted_after_step`` +
 ``free_swa_segment`` in the reference), every free variant, free groups spanning
 several frees, refusals near capacity, checkpoints (``backup_state`` /
 ``restore_state``), ``clear()``, and deliberately bad calls.
@@ -42,7 +42,7 @@ from hypothesis.stateful import (
 )
 
 import swa_ext
-from swa_ext.reference import SWAAllocatorRef, cdiv, evict_step
+from swa_ext.reference import SWAAllocatorRef, cdiv, evicted_after_step
 
 PAGE_SIZES = [1, 2, 3, 4, 6, 16, 64]  # 3 and 6: the division path of PageGeometry
 CI_EXAMPLES = 20  # x 14 machines = 280 examples
@@ -325,7 +325,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         ).tolist()
         for r, p in zip(rids, pre_lens):
             q = self.reqs[r]
-            new = evict_step(q.evicted, p, window, self.ps, interval, prefix_sharing)
+            new = evicted_after_step(q.evicted, p, window, self.ps, interval, prefix_sharing)
             if new > q.evicted:
                 self.ref.free_swa_segment(q.row[q.evicted : new], start_pos=q.evicted)
             q.evicted = new

@@ -21,7 +21,7 @@ const char* name_of(const char* const* names, size_t count, int64_t id) {
 
 // The device's view of a batch: where each request's tokens and new pages begin, and
 // its lengths (BatchView's layout).
-std::vector<int64_t> batch_words(const Batch& batch, const PageGeometry& page) {
+std::vector<int64_t> batch_words(const BatchLengths& batch, const PageGeometry& page) {
   const int64_t bs = batch.size();
   std::vector<int64_t> words(static_cast<size_t>(dev::BatchView::words_for(bs)));
   int64_t* token_begin = words.data();
@@ -150,8 +150,7 @@ DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t
                        bool need_sort)
     : control_(std::move(control)), slot_(slot), size_(size), num_pages_(0), capacity_(size), page_(page_size),
       need_sort_(need_sort) {
-  if (page_size < 1) fail("page_size", "must be >= 1, got ", page_size);
-  if (size < page_size) fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
+  check_pool_shape("size", size, page_size);
   num_pages_ = size / page_size;
   Executor& exec = control_->exec();
   ring_ = exec.allocate(num_pages_);
@@ -217,65 +216,53 @@ void DevicePool::merge_and_sort_free() {
   staged_count_ = 0;
 }
 
-void DevicePool::merge_before_extend(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size) {
-  if (extend_merge_due(need_pages, extend_num_tokens, batch_size, free_page_count(), page_)) merge_and_sort_free();
+void DevicePool::merge_if_due(const AllocPlan& plan, PoolRole role) {
+  if (merge_due(plan, role, free_page_count(), page_)) merge_and_sort_free();
 }
 
-void DevicePool::merge_before_alloc(int64_t need_pages) {
-  if (need_pages > free_page_count()) merge_and_sort_free();
-}
-
-bool DevicePool::allocate(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, int64_t num_tokens,
-                          int64_t need, DeviceCall call, const std::function<void()>& merge, OutBuffer& out) {
+bool DevicePool::allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, DeviceCall call,
+                          OutBuffer& out) {
   Executor& exec = control_->exec();
   dev::BatchView words{nullptr, batch.size()};
   const auto check_last_loc = [&] {
     const dev::PoolView pool = view();
-    return dev::LastLocCheck{pool, false, pool, nullptr, last_loc_size > 0 ? last_loc : nullptr,
-                             control_->origin(call, kArgLastLoc)};
+    return dev::LastLocCheck{pool, false, pool, nullptr, last_loc.data, control_->origin(call, kArgLastLoc)};
   };
   if (control_->debug()) {  // a bad last_loc raises even where the pool is short, as on the CPU
     words.words = exec.upload(batch_words(batch, page_));
     exec.run(batch.size(), dev::ValidateBatchOp{words, check_last_loc()});
     control_->check_now([] {});
   }
-  merge();
-  if (need > free_page_count()) return false;
+  merge_if_due(plan, PoolRole::kFull);
+  if (pool_refused(plan, free_page_count())) return false;
   if (words.words == nullptr) words.words = exec.upload(batch_words(batch, page_));  // a refusal uploads nothing
-  int64_t* slots = out.get(num_tokens);
-  if (num_tokens > 0) {
-    exec.run(num_tokens, dev::AllocSlotsOp{words, check_last_loc(), need, 0, -1, nullptr, slots});
+  int64_t* slots = out.get(plan.num_tokens);
+  if (plan.num_tokens > 0) {
+    exec.run(plan.num_tokens, dev::AllocSlotsOp{words, check_last_loc(), plan.full_pages, 0, -1, nullptr, slots});
     flip();
   }
-  took(need);
+  took(plan.full_pages);
   return true;
 }
 
 bool DevicePool::alloc(int64_t need_size, OutBuffer& out) {
   control_->check_usable();
-  if (need_size < 0) fail("need_size", "is negative (", need_size, ")");
-  if (page_.offset(need_size) != 0) fail("need_size", need_size, " is not a multiple of the page size ", page_.size);
-  const int64_t need_pages = page_.page(need_size);
+  const AllocPlan plan = plan_alloc(need_size, page_);
   const int64_t zero = 0;
-  return allocate(Batch{Span(&zero, 1), Span(&need_size, 1), Span(), false}, nullptr, 0, need_size, need_pages,
-                  kCallAlloc, [&] { merge_before_alloc(need_pages); }, out);
+  return allocate(plan, BatchLengths{Span(&zero, 1), Span(&need_size, 1), false}, LastLoc(), kCallAlloc, out);
 }
 
-bool DevicePool::alloc_extend(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
-                              int64_t extend_num_tokens, int64_t num_new_pages, OutBuffer& out) {
+bool DevicePool::alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                              int64_t num_new_pages, OutBuffer& out) {
   control_->check_usable();
-  const int64_t need = check_batch_lengths(batch, last_loc_size, extend_num_tokens, page_);
-  if (num_new_pages >= 0 && num_new_pages != need)
-    fail("num_new_pages", "is ", num_new_pages, " but the lengths need ", need, " new pages");
-  return allocate(batch, last_loc, last_loc_size, extend_num_tokens, need, kCallAllocExtend,
-                  [&] { merge_before_extend(need, extend_num_tokens, batch.size()); }, out);
+  const AllocPlan plan = plan_extend(batch, last_loc, extend_num_tokens, page_);
+  check_num_new_pages(num_new_pages, plan);
+  return allocate(plan, batch, last_loc, kCallAllocExtend, out);
 }
 
-bool DevicePool::alloc_decode(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, OutBuffer& out) {
+bool DevicePool::alloc_decode(const BatchLengths& batch, const LastLoc& last_loc, OutBuffer& out) {
   control_->check_usable();
-  const int64_t need = check_batch_lengths(batch, last_loc_size, -1, page_);
-  return allocate(batch, last_loc, last_loc_size, batch.size(), need, kCallAllocDecode,
-                  [&] { merge_before_alloc(batch.size()); }, out);
+  return allocate(plan_decode(batch, last_loc, page_), batch, last_loc, kCallAllocDecode, out);
 }
 
 void DevicePool::check_page_count(const char* arg, int64_t pages) const {
@@ -302,38 +289,36 @@ void DevicePool::undo_claims() {
   control_->exec().run(num_pages_, dev::RestateOp{state_, dev::kClaimed, dev::kHeld});
 }
 
-dev::Destination DevicePool::destination(bool by_index) const {
-  if (group_open_) return by_index || token_mode() ? dev::Destination::kGroupIndex : dev::Destination::kGroupPages;
-  if (need_sort_) return dev::Destination::kStaged;
-  return token_mode() ? dev::Destination::kAppend : dev::Destination::kPrepend;
+Destination DevicePool::destination(bool by_index) const {
+  return release_destination(group_open_, by_index, need_sort_, token_mode());
 }
 
 void DevicePool::release(const int64_t* pages, int64_t n, const int64_t* device_count, int64_t launch,
-                         dev::Destination dest, int64_t reset_word) {
+                         Destination dest, int64_t reset_word) {
   if (device_count == nullptr && n == 0) return;
   control_->exec().run(std::max<int64_t>(std::min(launch, num_pages_), 1),
                        dev::ReleaseOp{view(), pages, n, device_count, dest, reset_word});
   flip();
   if (reset_word == dev::kGroupIndexCount) group_index_count_ = 0;
   if (reset_word == dev::kGroupPageCount) group_page_count_ = 0;
-  const bool counted = dest == dev::Destination::kPrepend || dest == dev::Destination::kAppend ||
-                       dest == dev::Destination::kStaged;
+  const bool counted = dest == Destination::kPrepend || dest == Destination::kAppend ||
+                       dest == Destination::kStaged;
   if (device_count != nullptr) {
     if (counted) control_->start_count_readback();
     return;
   }
   switch (dest) {
-    case dev::Destination::kPrepend:
-    case dev::Destination::kAppend:
+    case Destination::kPrepend:
+    case Destination::kAppend:
       free_count_ += n;
       break;
-    case dev::Destination::kStaged:
+    case Destination::kStaged:
       staged_count_ += n;
       break;
-    case dev::Destination::kGroupIndex:
+    case Destination::kGroupIndex:
       group_index_count_ += n;
       break;
-    case dev::Destination::kGroupPages:
+    case Destination::kGroupPages:
       group_page_count_ += n;
       break;
   }
@@ -381,13 +366,13 @@ void DevicePool::free_segment(const int64_t* indices, int64_t n, int64_t start_p
 }
 
 void DevicePool::free_group_begin() {
-  if (group_open_) fail("free_group_begin", "a free group is already open (groups do not nest)");
+  check_group_begin(group_open_);
   group_open_ = true;
   group_has_index_frees_ = false;
 }
 
-void DevicePool::free_group_end(PagePool::GroupOrder order) {
-  if (!group_open_) fail("free_group_end", "no free group is open");
+void DevicePool::free_group_end(GroupOrder order) {
+  check_group_end(group_open_);
   group_open_ = false;
   const auto by_index = [this] {
     if (token_mode()) {
@@ -401,7 +386,7 @@ void DevicePool::free_group_end(PagePool::GroupOrder order) {
   const auto by_page = [this] {
     release(group_pages_, group_page_count_, nullptr, group_page_count_, destination(false), dev::kGroupPageCount);
   };
-  if (order == PagePool::GroupOrder::kPageIdsFirst) {
+  if (order == GroupOrder::kPageIdsFirst) {
     by_page();
     by_index();
   } else {
@@ -472,7 +457,7 @@ void DevicePool::restore(const PagePool& pool) {
 
 DeviceHybridAllocator::DeviceHybridAllocator(std::shared_ptr<Executor> executor, int64_t size, int64_t size_swa,
                                              int64_t page_size, bool need_sort, bool debug, int64_t* mapping)
-    : page_(page_size),
+    : page_((check_hybrid_shape(size, size_swa, page_size), page_size)),
       control_(std::make_shared<DeviceControl>(std::move(executor), 2, debug)),
       full_(std::make_shared<DevicePool>(control_, 0, size, page_size, need_sort)),
       swa_(std::make_shared<DevicePool>(control_, 1, size_swa, page_size, need_sort)),
@@ -488,31 +473,21 @@ void DeviceHybridAllocator::reset_mapping() {
   control_->exec().copy_to_device(mapping_, mapping.data(), mapping_len_);
 }
 
-int64_t DeviceHybridAllocator::available_size() { return std::min(full_->available_size(), swa_->available_size()); }
-
-bool DeviceHybridAllocator::new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) {
-  return num_full_pages <= full_->available_pages() && num_swa_pages <= swa_->available_pages();
+int64_t DeviceHybridAllocator::available_size() {
+  return hybrid_available_size(full_->available_size(), swa_->available_size());
 }
 
-bool DeviceHybridAllocator::allocate(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
-                                     int64_t extend_num_tokens, int64_t swa_tail_len, DeviceCall call,
-                                     OutBuffer& out) {
-  control_->check_usable();
+bool DeviceHybridAllocator::new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) {
+  return swa::new_pages_available(num_full_pages, num_swa_pages, full_->available_pages(), swa_->available_pages());
+}
+
+bool DeviceHybridAllocator::allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc,
+                                     DeviceCall call, OutBuffer& out) {
   const int64_t bs = batch.size();
-  const int64_t need = check_batch_lengths(batch, last_loc_size, extend_num_tokens, page_);
-  const int64_t num_tokens = batch.decode ? bs : extend_num_tokens;
-  const bool tail = call == kCallAllocExtendSwaTail;
-  int64_t need_swa = need;
-  if (tail) {
-    if (bs != 1) fail("seq_lens", "alloc_extend_swa_tail takes one request, got ", bs);
-    if (swa_tail_len < 0 || swa_tail_len > extend_num_tokens)
-      fail("swa_tail_len", swa_tail_len, " is outside [0, extend_num_tokens = ", extend_num_tokens, "]");
-    need_swa = page_.pages_for(swa_tail_len);
-  }
   Executor& exec = control_->exec();
   dev::BatchView words{nullptr, bs};
   const auto check_last_loc = [&] {
-    return dev::LastLocCheck{full_->view(), true, swa_->view(), mapping_, last_loc_size > 0 ? last_loc : nullptr,
+    return dev::LastLocCheck{full_->view(), true, swa_->view(), mapping_, last_loc.data,
                              control_->origin(call, kArgLastLoc)};
   };
   if (control_->debug()) {  // a bad last_loc raises even where the pools are short, as on the CPU
@@ -520,54 +495,46 @@ bool DeviceHybridAllocator::allocate(const Batch& batch, const int64_t* last_loc
     exec.run(bs, dev::ValidateBatchOp{words, check_last_loc()});
     control_->check_now([] {});
   }
-  if (!new_pages_available(need, need_swa)) return false;
+  if (hybrid_refused(plan, full_->available_pages(), swa_->available_pages())) return false;
   if (words.words == nullptr) words.words = exec.upload(batch_words(batch, page_));  // a refusal uploads nothing
-  if (batch.decode) {
-    full_->merge_before_alloc(bs);
-    swa_->merge_before_alloc(bs);
-  } else if (call == kCallAlloc) {
-    full_->merge_before_alloc(need);
-    swa_->merge_before_alloc(need);
-  } else if (tail) {
-    full_->merge_before_extend(need, extend_num_tokens, 1);
-    if (swa_tail_len > 0) swa_->merge_before_extend(need_swa, swa_tail_len, 1);
-  } else {
-    full_->merge_before_extend(need, extend_num_tokens, bs);
-    swa_->merge_before_extend(need, extend_num_tokens, bs);
-  }
-  int64_t* slots = out.get(num_tokens);
-  if (num_tokens > 0) {
-    exec.run(num_tokens, dev::AllocSlotsOp{words, check_last_loc(), need, need_swa, tail ? extend_num_tokens - swa_tail_len : -1,
-                                           mapping_, slots});
+  full_->merge_if_due(plan, PoolRole::kFull);
+  swa_->merge_if_due(plan, PoolRole::kSwa);
+  int64_t* slots = out.get(plan.num_tokens);
+  if (plan.num_tokens > 0) {
+    const int64_t swa_head = plan.call == AllocCall::kExtendSwaTail ? plan.swa_head_len() : -1;
+    exec.run(plan.num_tokens,
+             dev::AllocSlotsOp{words, check_last_loc(), plan.full_pages, plan.swa_pages, swa_head, mapping_, slots});
     full_->flip();
     swa_->flip();
   }
-  full_->took(need);
-  swa_->took(need_swa);
+  full_->took(plan.full_pages);
+  swa_->took(plan.swa_pages);
   return true;
 }
 
 bool DeviceHybridAllocator::alloc(int64_t need_size, OutBuffer& out) {
-  if (need_size < 0) fail("need_size", "is negative (", need_size, ")");
-  if (page_.offset(need_size) != 0) fail("need_size", need_size, " is not a multiple of the page size ", page_.size);
+  control_->check_usable();
+  const AllocPlan plan = plan_alloc(need_size, page_);
   const int64_t zero = 0;
-  return allocate(Batch{Span(&zero, 1), Span(&need_size, 1), Span(), false}, nullptr, 1, need_size, -1, kCallAlloc,
-                  out);
+  return allocate(plan, BatchLengths{Span(&zero, 1), Span(&need_size, 1), false}, LastLoc(), kCallAlloc, out);
 }
 
-bool DeviceHybridAllocator::alloc_extend(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
+bool DeviceHybridAllocator::alloc_extend(const BatchLengths& batch, const LastLoc& last_loc,
                                          int64_t extend_num_tokens, OutBuffer& out) {
-  return allocate(batch, last_loc, last_loc_size, extend_num_tokens, -1, kCallAllocExtend, out);
+  control_->check_usable();
+  return allocate(plan_extend(batch, last_loc, extend_num_tokens, page_), batch, last_loc, kCallAllocExtend, out);
 }
 
-bool DeviceHybridAllocator::alloc_extend_swa_tail(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
+bool DeviceHybridAllocator::alloc_extend_swa_tail(const BatchLengths& batch, const LastLoc& last_loc,
                                                   int64_t extend_num_tokens, int64_t swa_tail_len, OutBuffer& out) {
-  return allocate(batch, last_loc, last_loc_size, extend_num_tokens, swa_tail_len, kCallAllocExtendSwaTail, out);
+  control_->check_usable();
+  return allocate(plan_extend_swa_tail(batch, last_loc, extend_num_tokens, swa_tail_len, page_), batch, last_loc,
+                  kCallAllocExtendSwaTail, out);
 }
 
-bool DeviceHybridAllocator::alloc_decode(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
-                                         OutBuffer& out) {
-  return allocate(batch, last_loc, last_loc_size, -1, -1, kCallAllocDecode, out);
+bool DeviceHybridAllocator::alloc_decode(const BatchLengths& batch, const LastLoc& last_loc, OutBuffer& out) {
+  control_->check_usable();
+  return allocate(plan_decode(batch, last_loc, page_), batch, last_loc, kCallAllocDecode, out);
 }
 
 void DeviceHybridAllocator::translate(const int64_t* indices, int64_t n, int64_t* out) {
@@ -627,7 +594,7 @@ void DeviceHybridAllocator::finish_swa(const int64_t* indices, int64_t n, int64_
 void DeviceHybridAllocator::free(const int64_t* indices, int64_t n) {
   control_->check_usable();
   const dev::Origin origin = control_->origin(kCallFree, kArgIndices);
-  const bool slots_of_page = page_.size > 1;  // page size 1: one slot is one page, freed as a segment
+  const bool slots_of_page = !swa_free_by_segment(page_.size);
   check_swa_claim(n, slots_of_page);  // every host-side check before the first launch
   full_->claim_slots(indices, n, origin);
   claim_swa(indices, n, slots_of_page, origin);
@@ -638,7 +605,7 @@ void DeviceHybridAllocator::free(const int64_t* indices, int64_t n) {
 
 void DeviceHybridAllocator::free_swa(const int64_t* indices, int64_t n) {
   control_->check_usable();
-  const bool slots_of_page = page_.size > 1;
+  const bool slots_of_page = !swa_free_by_segment(page_.size);
   check_swa_claim(n, slots_of_page);
   claim_swa(indices, n, slots_of_page, control_->origin(kCallFreeSwa, kArgIndices));
   control_->check_now([this] { undo_claims(); });
@@ -682,16 +649,15 @@ void DeviceHybridAllocator::free_full_segment(const int64_t* indices, int64_t n,
 }
 
 void DeviceHybridAllocator::free_group_begin() {
-  if (full_->in_free_group() || swa_->in_free_group())
-    fail("free_group_begin", "a free group is already open (groups do not nest)");
+  check_group_begin(full_->in_free_group() || swa_->in_free_group());
   full_->free_group_begin();
   swa_->free_group_begin();
 }
 
 void DeviceHybridAllocator::free_group_end() {
-  if (!full_->in_free_group() || !swa_->in_free_group()) fail("free_group_end", "no free group is open");
-  swa_->free_group_end(PagePool::GroupOrder::kPageIdsFirst);
-  full_->free_group_end(PagePool::GroupOrder::kIndicesFirst);
+  check_group_end(full_->in_free_group() && swa_->in_free_group());
+  swa_->free_group_end(kSwaGroupOrder);
+  full_->free_group_end(kPoolGroupOrder);
 }
 
 void DeviceHybridAllocator::evict_out_of_window(const int32_t* req_to_token32, const int64_t* req_to_token64,
@@ -714,7 +680,8 @@ void DeviceHybridAllocator::evict_out_of_window(const int32_t* req_to_token32, c
   if (total == 0) return;
   // Each due request is released as one free_swa_segment call after another would be:
   // successive prepends put the last request's pages first.
-  const bool prepend = !swa_->in_free_group() && !swa_->need_sort() && !swa_->token_mode();
+  const bool prepend = release_destination(swa_->in_free_group(), false, swa_->need_sort(), swa_->token_mode()) ==
+                       Destination::kPrepend;
   std::vector<int64_t> due = page_begin;
   due.insert(due.end(), row.begin(), row.end());
   due.insert(due.end(), evicted.begin(), evicted.end());
@@ -737,8 +704,7 @@ void DeviceHybridAllocator::clear() {
 }
 
 void DeviceHybridAllocator::resize(int64_t size, int64_t size_swa) {
-  check_resize("size", size, page_.size, full_->capacity());
-  check_resize("size_swa", size_swa, page_.size, swa_->capacity());
+  check_hybrid_resize(size, size_swa, page_.size, full_->capacity(), swa_->capacity());
   full_->resize(size, "size");
   swa_->resize(size_swa, "size_swa");
   reset_mapping();
@@ -753,9 +719,7 @@ HybridAllocator::State DeviceHybridAllocator::backup_state() {
 }
 
 void DeviceHybridAllocator::restore_state(const HybridAllocator::State& state) {
-  if (static_cast<int64_t>(state.mapping.size()) != mapping_len_ || state.full.size() != full_->size() ||
-      state.swa.size() != swa_->size() || state.full.page_size() != page_.size)
-    fail("state", "was taken from an allocator of another shape");
+  check_state_shape("an allocator", state.fits(full_->size(), swa_->size(), page_.size, mapping_len_));
   full_->restore(state.full);
   swa_->restore(state.swa);
   control_->exec().copy_to_device(mapping_, state.mapping.data(), mapping_len_);
@@ -769,7 +733,7 @@ void DeviceHybridAllocator::check_invariants() {
 
 std::string DeviceHybridAllocator::debug_string() {
   const HybridAllocator::State state = backup_state();
-  return "full: " + state.full.debug_string() + "\nswa: " + state.swa.debug_string();
+  return HybridAllocator::debug_string(state.full, state.swa);
 }
 
 }  // namespace swa

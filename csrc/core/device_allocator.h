@@ -13,7 +13,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -116,14 +115,14 @@ class DevicePool {
   int64_t capacity() const { return capacity_; }
   void merge_and_sort_free();
   bool alloc(int64_t need_size, OutBuffer& out);
-  bool alloc_extend(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, int64_t extend_num_tokens,
+  bool alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
                     int64_t num_new_pages, OutBuffer& out);
-  bool alloc_decode(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, OutBuffer& out);
+  bool alloc_decode(const BatchLengths& batch, const LastLoc& last_loc, OutBuffer& out);
   void free(const int64_t* indices, int64_t n);
   void free_page_ids(const int64_t* pages, int64_t n);
   void free_segment(const int64_t* indices, int64_t n, int64_t start_pos);
   void free_group_begin();
-  void free_group_end(PagePool::GroupOrder order = PagePool::GroupOrder::kIndicesFirst);
+  void free_group_end(GroupOrder order = kPoolGroupOrder);
 
   PagePool snapshot();  // waits; the pool as the CPU core would hold it
   void restore(const PagePool& pool);
@@ -133,8 +132,8 @@ class DevicePool {
   dev::PoolView view();  // reads the current counter copy, writes the other
   void flip() { parity_ ^= 1; }
   int64_t* list() { return list_; }
-  void merge_before_extend(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size);
-  void merge_before_alloc(int64_t need_pages);
+  // As PagePool::merge_if_due.
+  void merge_if_due(const AllocPlan& plan, PoolRole role);
   void took(int64_t n) { free_count_ -= n; }
   // Claims the pages of slots as free() does; with `into_list` (token pool) in input order.
   void claim_slots(const int64_t* indices, int64_t n, const dev::Origin& origin);
@@ -149,12 +148,13 @@ class DevicePool {
   void count_readback_finished(const int64_t* ctl_copies);
 
  private:
-  dev::Destination destination(bool by_index) const;
-  void release(const int64_t* pages, int64_t n, const int64_t* device_count, int64_t launch, dev::Destination dest,
+  Destination destination(bool by_index) const;
+  void release(const int64_t* pages, int64_t n, const int64_t* device_count, int64_t launch, Destination dest,
                int64_t reset_word);
-  // merge: the call's merge trigger, run after the debug checks and before the decision.
-  bool allocate(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, int64_t num_tokens, int64_t need,
-                DeviceCall call, const std::function<void()>& merge, OutBuffer& out);
+  // The checked plan of an allocation, carried out; its merge trigger runs after the
+  // debug checks and before the refusal.
+  bool allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, DeviceCall call,
+                OutBuffer& out);
 
   std::shared_ptr<DeviceControl> control_;
   int slot_;
@@ -191,11 +191,10 @@ class DeviceHybridAllocator {
   bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages);
 
   bool alloc(int64_t need_size, OutBuffer& out);
-  bool alloc_extend(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, int64_t extend_num_tokens,
-                    OutBuffer& out);
-  bool alloc_extend_swa_tail(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size,
-                             int64_t extend_num_tokens, int64_t swa_tail_len, OutBuffer& out);
-  bool alloc_decode(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, OutBuffer& out);
+  bool alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens, OutBuffer& out);
+  bool alloc_extend_swa_tail(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                             int64_t swa_tail_len, OutBuffer& out);
+  bool alloc_decode(const BatchLengths& batch, const LastLoc& last_loc, OutBuffer& out);
 
   void translate(const int64_t* indices, int64_t n, int64_t* out);
   void set_mapping(const int64_t* full_indices, int64_t n, const int64_t* swa_indices, int64_t n_swa);
@@ -226,8 +225,9 @@ class DeviceHybridAllocator {
 
  private:
   void reset_mapping();
-  bool allocate(const Batch& batch, const int64_t* last_loc, int64_t last_loc_size, int64_t extend_num_tokens,
-                int64_t swa_tail_len, DeviceCall call, OutBuffer& out);
+  // The checked plan of an allocation, carried out.
+  bool allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, DeviceCall call,
+                OutBuffer& out);
   // The SWA half of free() / free_swa(): claims (pages of slots, or representatives);
   // check_swa_claim does its host-side checks, before anything is launched.
   void check_swa_claim(int64_t count, bool slots_of_page) const;

@@ -19,7 +19,7 @@ constexpr StateWord kFree = state_word(PageState::kFree);
 constexpr StateWord kStaged = state_word(PageState::kStaged);
 constexpr StateWord kQueuedByIndex = state_word(PageState::kQueuedByIndex);
 constexpr StateWord kQueuedByPage = state_word(PageState::kQueuedByPage);
-constexpr StateWord kClaimed = state_word(PageState::kReleasing);
+constexpr StateWord kClaimed = state_word(PageState::kClaimed);
 
 SWA_HD StateWord compare_and_swap(StateWord* word, StateWord expected, StateWord desired) {
 #if defined(__CUDA_ARCH__)
@@ -349,15 +349,6 @@ struct RestateOp {
   SWA_HD void operator()(int64_t i) const {
     if (state[i + 1] == from) state[i + 1] = to;
   }
-};
-
-// Where released pages go.
-enum class Destination : int32_t {
-  kPrepend,     // page pool: the pages freed last are handed out first
-  kAppend,      // token pool
-  kStaged,      // need_sort
-  kGroupIndex,  // token pool, open free group: free() queue
-  kGroupPages,  // open free group: pages freed by id
 };
 
 // Puts n pages (n from the host, or from device memory) where they go, in list order,

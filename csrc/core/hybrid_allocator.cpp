@@ -7,7 +7,7 @@ namespace swa {
 
 HybridAllocator::HybridAllocator(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort,
                                  int64_t* mapping)
-    : page_size_(page_size),
+    : page_size_((check_hybrid_shape(size, size_swa, page_size), page_size)),
       full_(std::make_shared<PagePool>(size, page_size, need_sort)),
       swa_(std::make_shared<PagePool>(size_swa, page_size, need_sort)),
       mapping_(mapping),
@@ -21,24 +21,24 @@ void HybridAllocator::reset_mapping() {
 }
 
 int64_t HybridAllocator::available_size() const {
-  return std::min(full_->available_size(), swa_->available_size());
+  return hybrid_available_size(full_->available_size(), swa_->available_size());
 }
 
 bool HybridAllocator::new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) const {
-  return num_full_pages <= full_->available_pages() && num_swa_pages <= swa_->available_pages();
+  return swa::new_pages_available(num_full_pages, num_swa_pages, full_->available_pages(), swa_->available_pages());
 }
 
 void HybridAllocator::write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n) {
   for (int64_t i = 0; i < n; ++i) mapping_[full_slots[i]] = swa_slots[i];
 }
 
-void HybridAllocator::check_swa_continuation(const Batch& batch) const {
+void HybridAllocator::check_swa_continuation(const BatchLengths& batch, const LastLoc& last_loc) const {
   const PageGeometry& page = full_->geometry();
   const auto swa_state = [this](int64_t p) { return swa_->state(p); };
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j);
     if (!continues_partial_page(prefix, batch.seq_lens[j], page)) continue;
-    const int64_t last = batch.last_loc[j], swa_last = mapping_[last];
+    const int64_t last = last_loc.data[j], swa_last = mapping_[last];
     if (!swa_continuation_ok(last, swa_last, page, swa_->num_pages(), swa_state))
       throw ArgumentError(swa_continuation_message(j, last, swa_last));
   }
@@ -58,72 +58,67 @@ std::string swa_continuation_message(int64_t entry, int64_t last_loc, int64_t sw
   return m.str();
 }
 
-void HybridAllocator::write_batch(const Batch& batch, int64_t num_slots, int64_t need_pages, OutBuffer& out) {
-  int64_t* full_slots = out.get(num_slots);
-  swa_slots_.resize(static_cast<size_t>(num_slots));
-  full_->write_slots(batch, [&](int64_t j) { return batch.last_loc[j]; }, full_slots);
-  swa_->write_slots(batch, [&](int64_t j) { return swa_last_loc(batch.last_loc[j]); }, swa_slots_.data());
-  write_mapping(full_slots, swa_slots_.data(), num_slots);
-  full_->take(need_pages);
-  swa_->take(need_pages);
+void HybridAllocator::write_batch(const AllocPlan& plan, const BatchLengths& batch, const int64_t* last_loc,
+                                  OutBuffer& out) {
+  int64_t* full_slots = out.get(plan.num_tokens);
+  swa_slots_.resize(static_cast<size_t>(plan.num_tokens));
+  const auto full_end = [last_loc](int64_t j) { return last_loc != nullptr ? last_loc[j] : int64_t{-1}; };
+  full_->write_slots(batch, full_end, full_slots);
+  swa_->write_slots(batch, [&](int64_t j) { return swa_last_loc(full_end(j)); }, swa_slots_.data());
+  write_mapping(full_slots, swa_slots_.data(), plan.num_tokens);
+  full_->take(plan.full_pages);
+  swa_->take(plan.swa_pages);
+}
+
+bool HybridAllocator::merge_unless_refused(const AllocPlan& plan) {
+  if (hybrid_refused(plan, full_->available_pages(), swa_->available_pages())) return false;
+  full_->merge_if_due(plan, PoolRole::kFull);
+  swa_->merge_if_due(plan, PoolRole::kSwa);
+  return true;
 }
 
 bool HybridAllocator::alloc(int64_t need_size, OutBuffer& out) {
-  if (need_size < 0) fail("need_size", "is negative (", need_size, ")");
-  if (need_size % page_size_ != 0) fail("need_size", need_size, " is not a multiple of the page size ", page_size_);
-  const int64_t need_pages = need_size / page_size_;
-  if (!new_pages_available(need_pages, need_pages)) return false;
-  full_->merge_before_alloc(need_pages);
-  swa_->merge_before_alloc(need_pages);
-  const int64_t zero = 0, minus_one = -1;
-  write_batch(Batch{Span(&zero, 1), Span(&need_size, 1), Span(&minus_one, 1), false}, need_size, need_pages, out);
+  const AllocPlan plan = plan_alloc(need_size, full_->geometry());
+  if (!merge_unless_refused(plan)) return false;
+  const int64_t zero = 0;
+  write_batch(plan, BatchLengths{Span(&zero, 1), Span(&need_size, 1), false}, nullptr, out);
   return true;
 }
 
-bool HybridAllocator::alloc_extend(const Batch& batch, int64_t extend_num_tokens, OutBuffer& out) {
-  const int64_t need = full_->check_batch(batch, extend_num_tokens);
-  check_swa_continuation(batch);
-  if (!new_pages_available(need, need)) return false;
-  full_->merge_before_extend(need, extend_num_tokens, batch.size());
-  swa_->merge_before_extend(need, extend_num_tokens, batch.size());
-  write_batch(batch, extend_num_tokens, need, out);
+bool HybridAllocator::alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                                   OutBuffer& out) {
+  return allocate(plan_extend(batch, last_loc, extend_num_tokens, full_->geometry()), batch, last_loc, out);
+}
+
+bool HybridAllocator::alloc_decode(const BatchLengths& batch, const LastLoc& last_loc, OutBuffer& out) {
+  return allocate(plan_decode(batch, last_loc, full_->geometry()), batch, last_loc, out);
+}
+
+bool HybridAllocator::allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc,
+                               OutBuffer& out) {
+  full_->check_last_loc(batch, last_loc);
+  check_swa_continuation(batch, last_loc);
+  if (!merge_unless_refused(plan)) return false;  // atomic: both pools are checked before either is touched
+  write_batch(plan, batch, last_loc.data, out);
   return true;
 }
 
-bool HybridAllocator::alloc_extend_swa_tail(const Batch& batch, int64_t extend_num_tokens, int64_t swa_tail_len,
-                                            OutBuffer& out) {
-  if (batch.size() != 1) fail("seq_lens", "alloc_extend_swa_tail takes one request, got ", batch.size());
-  const int64_t need_full = full_->check_batch(batch, extend_num_tokens);
-  if (swa_tail_len < 0 || swa_tail_len > extend_num_tokens)
-    fail("swa_tail_len", swa_tail_len, " is outside [0, extend_num_tokens = ", extend_num_tokens, "]");
-  const int64_t need_swa = cdiv(swa_tail_len, page_size_);
-  if (!new_pages_available(need_full, need_swa)) return false;
-  full_->merge_before_extend(need_full, extend_num_tokens, 1);
-  int64_t* full_slots = out.get(extend_num_tokens);
-  full_->write_slots(batch, [&](int64_t j) { return batch.last_loc[j]; }, full_slots);
-  full_->take(need_full);
-  // The tail gets fresh SWA pages of its own; the head has no SWA KV.
-  const int64_t head_len = extend_num_tokens - swa_tail_len;
+bool HybridAllocator::alloc_extend_swa_tail(const BatchLengths& batch, const LastLoc& last_loc,
+                                            int64_t extend_num_tokens, int64_t swa_tail_len, OutBuffer& out) {
+  const AllocPlan plan = plan_extend_swa_tail(batch, last_loc, extend_num_tokens, swa_tail_len, full_->geometry());
+  full_->check_last_loc(batch, last_loc);
+  if (!merge_unless_refused(plan)) return false;
+  int64_t* full_slots = out.get(plan.num_tokens);
+  full_->write_slots(batch, [&](int64_t j) { return last_loc.data[j]; }, full_slots);
+  full_->take(plan.full_pages);
+  const int64_t head_len = plan.swa_head_len();
   for (int64_t i = 0; i < head_len; ++i) mapping_[full_slots[i]] = 0;
-  if (swa_tail_len == 0) return true;
-  const int64_t zero = 0, minus_one = -1;
-  const Batch tail{Span(&zero, 1), Span(&swa_tail_len, 1), Span(&minus_one, 1), false};
-  swa_->merge_before_extend(need_swa, swa_tail_len, 1);
-  swa_slots_.resize(static_cast<size_t>(swa_tail_len));
+  const int64_t zero = 0;
+  const BatchLengths tail{Span(&zero, 1), Span(&plan.swa_tokens, 1), false};
+  swa_slots_.resize(static_cast<size_t>(plan.swa_tokens));
   swa_->write_slots(tail, [](int64_t) { return int64_t{-1}; }, swa_slots_.data());
-  write_mapping(full_slots + head_len, swa_slots_.data(), swa_tail_len);
-  swa_->take(need_swa);
-  return true;
-}
-
-bool HybridAllocator::alloc_decode(const Batch& batch, OutBuffer& out) {
-  const int64_t need = full_->check_batch(batch, -1);
-  check_swa_continuation(batch);
-  // Atomic: both pools are checked before either is touched.
-  if (!new_pages_available(need, need)) return false;
-  full_->merge_before_alloc(batch.size());
-  swa_->merge_before_alloc(batch.size());
-  write_batch(batch, batch.size(), need, out);
+  write_mapping(full_slots + head_len, swa_slots_.data(), plan.swa_tokens);
+  swa_->take(plan.swa_pages);
   return true;
 }
 
@@ -165,13 +160,13 @@ void HybridAllocator::claim_swa_of_pages(PageClaim& claim, Span indices, std::ve
 }
 
 void HybridAllocator::claim_swa_of_free(PageClaim& claim, Span indices, std::vector<int64_t>& full_pages) const {
-  if (page_size_ > 1) return claim_swa_of_pages(claim, indices, full_pages);
-  claim_swa_of_segment(claim, indices, 0, full_pages);  // page size 1: one slot is one page
+  if (swa_free_by_segment(page_size_)) return claim_swa_of_segment(claim, indices, 0, full_pages);
+  claim_swa_of_pages(claim, indices, full_pages);
 }
 
 void HybridAllocator::claim_swa_of_segment(PageClaim& claim, Span indices, int64_t start_pos,
                                            std::vector<int64_t>& full_pages) const {
-  full_->check_segment_start(start_pos);
+  check_segment_start(start_pos, full_->geometry());
   const auto rep_at = [&](int64_t i) { return indices[i * page_size_]; };
   claim_swa_of_reps(claim, "indices", full_->geometry().pages_for(indices.size), rep_at, full_pages);
 }
@@ -225,17 +220,15 @@ void HybridAllocator::free_segment(Span indices, int64_t start_pos) {
 }
 
 void HybridAllocator::free_group_begin() {
-  if (full_->in_free_group() || swa_->in_free_group())
-    fail("free_group_begin", "a free group is already open (groups do not nest)");
+  check_group_begin(full_->in_free_group() || swa_->in_free_group());
   full_->free_group_begin();
   swa_->free_group_begin();  // holds the SWA-side frees until the group ends
 }
 
 void HybridAllocator::free_group_end() {
-  if (!full_->in_free_group() || !swa_->in_free_group()) fail("free_group_end", "no free group is open");
-  // SWA first: the page ids held from free_swa_segment, then the slots from free_swa.
-  swa_->free_group_end(PagePool::GroupOrder::kPageIdsFirst);
-  full_->free_group_end(PagePool::GroupOrder::kIndicesFirst);
+  check_group_end(full_->in_free_group() && swa_->in_free_group());
+  swa_->free_group_end(kSwaGroupOrder);
+  full_->free_group_end(kPoolGroupOrder);
 }
 
 void HybridAllocator::clear() {
@@ -244,10 +237,10 @@ void HybridAllocator::clear() {
   reset_mapping();
 }
 
-std::string HybridAllocator::debug_string() const {
-  std::ostringstream s;
-  s << "full: " << full_->debug_string() << "\nswa: " << swa_->debug_string();
-  return s.str();
+std::string HybridAllocator::debug_string() const { return debug_string(*full_, *swa_); }
+
+std::string HybridAllocator::debug_string(const PagePool& full, const PagePool& swa) {
+  return "full: " + full.debug_string() + "\nswa: " + swa.debug_string();
 }
 
 void HybridAllocator::check_invariants() const { check_invariants(*full_, *swa_, mapping_, mapping_len_); }
@@ -286,8 +279,7 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
 }
 
 void HybridAllocator::resize(int64_t size, int64_t size_swa) {
-  check_resize("size", size, page_size_, full_->capacity());
-  check_resize("size_swa", size_swa, page_size_, swa_->capacity());
+  check_hybrid_resize(size, size_swa, page_size_, full_->capacity(), swa_->capacity());
   full_->resize(size, "size");
   swa_->resize(size_swa, "size_swa");
   reset_mapping();
@@ -298,9 +290,7 @@ HybridAllocator::State HybridAllocator::backup_state() const {
 }
 
 void HybridAllocator::restore_state(const State& state) {
-  if (static_cast<int64_t>(state.mapping.size()) != mapping_len_ || state.full.size() != full_->size() ||
-      state.swa.size() != swa_->size() || state.full.page_size() != page_size_)
-    fail("state", "was taken from an allocator of another shape");
+  check_state_shape("an allocator", state.fits(full_->size(), swa_->size(), page_size_, mapping_len_));
   *full_ = state.full;  // in place: the pool objects handed out stay valid
   *swa_ = state.swa;
   std::copy(state.mapping.begin(), state.mapping.end(), mapping_);

@@ -49,9 +49,10 @@ class HybridAllocator {
   bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) const;
 
   bool alloc(int64_t need_size, OutBuffer& out);
-  bool alloc_extend(const Batch& batch, int64_t extend_num_tokens, OutBuffer& out);
-  bool alloc_extend_swa_tail(const Batch& batch, int64_t extend_num_tokens, int64_t swa_tail_len, OutBuffer& out);
-  bool alloc_decode(const Batch& batch, OutBuffer& out);
+  bool alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens, OutBuffer& out);
+  bool alloc_extend_swa_tail(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                             int64_t swa_tail_len, OutBuffer& out);
+  bool alloc_decode(const BatchLengths& batch, const LastLoc& last_loc, OutBuffer& out);
 
   void translate(Span indices, int64_t* out) const;
   void set_mapping(Span full_indices, Span swa_indices);
@@ -80,6 +81,7 @@ class HybridAllocator {
   // keeps its length and is cleared.
   void resize(int64_t size, int64_t size_swa);
   std::string debug_string() const;
+  static std::string debug_string(const PagePool& full, const PagePool& swa);
   void check_invariants() const;
   static void check_invariants(const PagePool& full, const PagePool& swa, const int64_t* mapping, int64_t mapping_len);
 
@@ -87,6 +89,10 @@ class HybridAllocator {
     PagePool full, swa;
     std::vector<int64_t> mapping;
     bool operator==(const State& o) const { return full == o.full && swa == o.swa && mapping == o.mapping; }
+    bool fits(int64_t size, int64_t size_swa, int64_t page_size, int64_t mapping_len) const {
+      return static_cast<int64_t>(mapping.size()) == mapping_len && full.size() == size && swa.size() == size_swa &&
+             full.page_size() == page_size;
+    }
   };
   State backup_state() const;
   void restore_state(const State& state);
@@ -95,10 +101,15 @@ class HybridAllocator {
   void reset_mapping();
   // SWA slot of full slot `last` for continuing a prefix; checked where it is used.
   int64_t swa_last_loc(int64_t last) const { return last < 0 ? -1 : mapping_[last]; }
-  void check_swa_continuation(const Batch& batch) const;
+  void check_swa_continuation(const BatchLengths& batch, const LastLoc& last_loc) const;
   void write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n);
   // Both pools grow the batch from the heads of their free lists (capacity already checked).
-  void write_batch(const Batch& batch, int64_t num_slots, int64_t need_pages, OutBuffer& out);
+  // last_loc: null for a batch without prefixes (alloc).
+  void write_batch(const AllocPlan& plan, const BatchLengths& batch, const int64_t* last_loc, OutBuffer& out);
+  // The refusal, then the merges that are due; false: refused, nothing changed.
+  bool merge_unless_refused(const AllocPlan& plan);
+  // alloc_extend / alloc_decode once planned.
+  bool allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, OutBuffer& out);
   // SWA pages mapped from the pages of `indices` (free_swa), claimed; full pages noted.
   void claim_swa_of_pages(PageClaim& claim, Span indices, std::vector<int64_t>& full_pages) const;
   // SWA pages of num_reps page representatives (free_swa_segment: indices[::page_size]),

@@ -11,9 +11,16 @@ PageClaim::~PageClaim() {
 }
 
 PageClaim::PageClaim(PagePool& pool, bool by_index) : pool_(pool), by_index_(by_index || pool.token_mode()) {
-  // The token pool has one queue: its free_page_ids is free().
-  if (!pool.group_open_) target_ = PageState::kReleasing;
-  else target_ = by_index_ ? PageState::kQueuedByIndex : PageState::kQueuedByPage;
+  switch (release_destination(pool.group_open_, by_index, pool.need_sort_, pool.token_mode())) {
+    case Destination::kGroupIndex:
+      target_ = PageState::kQueuedByIndex;
+      break;
+    case Destination::kGroupPages:
+      target_ = PageState::kQueuedByPage;
+      break;
+    default:
+      target_ = PageState::kClaimed;
+  }
 }
 
 void PageClaim::add(const char* arg, int64_t page, bool repeat_ok) {
@@ -29,8 +36,7 @@ void PageClaim::add(const char* arg, int64_t page, bool repeat_ok) {
 
 PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort)
     : size_(size), page_size_(page_size), num_pages_(0), capacity_(size), geometry_(page_size), need_sort_(need_sort) {
-  if (page_size < 1) fail("page_size", "must be >= 1, got ", page_size);
-  if (size < page_size) fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
+  check_pool_shape("size", size, page_size);
   num_pages_ = size / page_size;
   ring_.resize(static_cast<size_t>(num_pages_));
   state_.resize(static_cast<size_t>(num_pages_ + 1));
@@ -68,11 +74,6 @@ void PagePool::reset_state() {
 
 void PagePool::clear() { reset_state(); }
 
-void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity) {
-  if (size < page_size) fail(arg, "must hold at least one page of ", page_size, " tokens, got ", size);
-  if (size > capacity) fail(arg, "cannot grow past the ", capacity, " tokens the pool was built with, got ", size);
-}
-
 void PagePool::resize(int64_t size, const char* arg) {
   check_resize(arg, size, page_size_, capacity_);
   PagePool resized(size, page_size_, need_sort_);
@@ -94,12 +95,8 @@ void PagePool::merge_and_sort_free() {
   staged_.clear();
 }
 
-void PagePool::merge_before_extend(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size) {
-  if (extend_merge_due(need_pages, extend_num_tokens, batch_size, free_count_, geometry_)) merge_and_sort_free();
-}
-
-void PagePool::merge_before_alloc(int64_t need_pages) {
-  if (need_pages > free_count_) merge_and_sort_free();
+void PagePool::merge_if_due(const AllocPlan& plan, PoolRole role) {
+  if (merge_due(plan, role, free_count_, geometry_)) merge_and_sort_free();
 }
 
 void PagePool::take(int64_t n) {
@@ -112,14 +109,15 @@ void PagePool::take(int64_t n) {
 void PagePool::release(const std::vector<int64_t>& pages) {
   const int64_t n = static_cast<int64_t>(pages.size());
   if (n == 0) return;
-  if (need_sort_) {
+  const Destination dest = release_destination(false, false, need_sort_, token_mode());
+  if (dest == Destination::kStaged) {
     for (int64_t page : pages) state_[page] = PageState::kStaged;
     staged_.insert(staged_.end(), pages.begin(), pages.end());
     return;
   }
   for (int64_t page : pages) state_[page] = PageState::kFree;
   int64_t pos;
-  if (token_mode()) {
+  if (dest == Destination::kAppend) {
     pos = head_ + free_count_;  // append
   } else {
     head_ -= n;  // prepend: the pages freed last are handed out first
@@ -133,8 +131,9 @@ void PagePool::release(const std::vector<int64_t>& pages) {
 void PagePool::finish(PageClaim& claim) {
   claim.commit();
   const std::vector<int64_t>& pages = claim.pages();
-  if (group_open_) {
-    std::vector<int64_t>& queue = claim.by_index() ? group_index_pages_ : group_page_ids_;
+  const Destination dest = release_destination(group_open_, claim.by_index(), need_sort_, token_mode());
+  if (dest == Destination::kGroupIndex || dest == Destination::kGroupPages) {
+    std::vector<int64_t>& queue = dest == Destination::kGroupIndex ? group_index_pages_ : group_page_ids_;
     queue.insert(queue.end(), pages.begin(), pages.end());
   } else if (claim.by_index() && !token_mode()) {
     std::vector<int64_t> sorted = pages;  // free() releases its pages in page order
@@ -155,26 +154,6 @@ int64_t PagePool::page_of(const char* arg, int64_t index) const {
 void PagePool::check_page_id(const char* arg, int64_t page) const {
   if (!page_id_in_pool(page, num_pages_))
     fail(arg, "page id ", page, " is outside [1, ", num_pages_, "] (page 0 is the padding page)");
-}
-
-int64_t check_batch_lengths(const Batch& batch, int64_t last_loc_size, int64_t extend_num_tokens,
-                            const PageGeometry& page) {
-  const int64_t bs = batch.size();
-  if (last_loc_size != bs) fail("last_loc", "has ", last_loc_size, " entries for a batch of ", bs, " (seq_lens)");
-  if (!batch.decode && batch.prefix_lens.size != bs)
-    fail("prefix_lens", "has ", batch.prefix_lens.size, " entries but seq_lens has ", bs);
-  int64_t tokens = 0, pages = 0;
-  for (int64_t j = 0; j < bs; ++j) {
-    const int64_t seq = batch.seq_lens[j], prefix = batch.prefix(j);
-    if (batch.decode && seq < 1) fail("seq_lens", "entry ", j, " is ", seq, "; a decode step needs >= 1");
-    if (prefix < 0) fail("prefix_lens", "entry ", j, " is negative (", prefix, ")");
-    if (seq < prefix) fail("seq_lens", "entry ", j, " (", seq, ") is below its prefix length ", prefix);
-    tokens += seq - prefix;
-    pages += new_page_count(prefix, seq, page);
-  }
-  if (extend_num_tokens >= 0 && tokens != extend_num_tokens)
-    fail("extend_num_tokens", "is ", extend_num_tokens, " but seq_lens - prefix_lens sums to ", tokens);
-  return pages;
 }
 
 std::string last_loc_fault_message(LastLocFault fault, int64_t entry, int64_t last_loc, int64_t prefix_len,
@@ -215,50 +194,44 @@ const char* claim_refusal(PageState state) {
   }
 }
 
-int64_t PagePool::check_batch(const Batch& batch, int64_t extend_num_tokens) const {
-  const int64_t pages = check_batch_lengths(batch, batch.last_loc.size, extend_num_tokens, geometry_);
+void PagePool::check_last_loc(const BatchLengths& batch, const LastLoc& last_loc) const {
   const auto state_of_page = [this](int64_t page) { return state_[page]; };
   for (int64_t j = 0; j < batch.size(); ++j) {
-    const int64_t prefix = batch.prefix(j), last = batch.last_loc[j];
+    const int64_t prefix = batch.prefix(j), last = last_loc.data[j];
     const LastLocFault fault = last_loc_fault(last, prefix, geometry_, num_pages_, state_of_page);
     if (fault != LastLocFault::kNone)
       throw ArgumentError(last_loc_fault_message(fault, j, last, prefix, geometry_, num_pages_));
   }
-  return pages;
 }
 
 bool PagePool::alloc(int64_t need_size, OutBuffer& out) {
-  if (need_size < 0) fail("need_size", "is negative (", need_size, ")");
-  if (need_size % page_size_ != 0)
-    fail("need_size", need_size, " is not a multiple of the page size ", page_size_);
-  const int64_t need_pages = need_size / page_size_;
-  merge_before_alloc(need_pages);
-  if (need_pages > free_count_) return false;
-  const int64_t zero = 0, minus_one = -1;
-  const Batch whole{Span(&zero, 1), Span(&need_size, 1), Span(&minus_one, 1), false};
+  const AllocPlan plan = plan_alloc(need_size, geometry_);
+  merge_if_due(plan, PoolRole::kFull);
+  if (pool_refused(plan, free_count_)) return false;
+  const int64_t zero = 0;
+  const BatchLengths whole{Span(&zero, 1), Span(&need_size, 1), false};
   write_slots(whole, [](int64_t) { return int64_t{-1}; }, out.get(need_size));
-  take(need_pages);
+  take(plan.full_pages);
   return true;
 }
 
-bool PagePool::alloc_extend(const Batch& batch, int64_t extend_num_tokens, int64_t num_new_pages,
-                            OutBuffer& out) {
-  const int64_t need = check_batch(batch, extend_num_tokens);
-  if (num_new_pages >= 0 && num_new_pages != need)
-    fail("num_new_pages", "is ", num_new_pages, " but the lengths need ", need, " new pages");
-  merge_before_extend(need, extend_num_tokens, batch.size());
-  if (need > free_count_) return false;
-  write_slots(batch, [&](int64_t j) { return batch.last_loc[j]; }, out.get(extend_num_tokens));
-  take(need);
-  return true;
+bool PagePool::alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                            int64_t num_new_pages, OutBuffer& out) {
+  return allocate(plan_extend(batch, last_loc, extend_num_tokens, geometry_), batch, last_loc, num_new_pages, out);
 }
 
-bool PagePool::alloc_decode(const Batch& batch, OutBuffer& out) {
-  const int64_t need = check_batch(batch, -1);
-  merge_before_alloc(batch.size());
-  if (need > free_count_) return false;
-  write_slots(batch, [&](int64_t j) { return batch.last_loc[j]; }, out.get(batch.size()));
-  take(need);
+bool PagePool::alloc_decode(const BatchLengths& batch, const LastLoc& last_loc, OutBuffer& out) {
+  return allocate(plan_decode(batch, last_loc, geometry_), batch, last_loc, -1, out);
+}
+
+bool PagePool::allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc,
+                        int64_t num_new_pages, OutBuffer& out) {
+  check_last_loc(batch, last_loc);
+  check_num_new_pages(num_new_pages, plan);
+  merge_if_due(plan, PoolRole::kFull);
+  if (pool_refused(plan, free_count_)) return false;
+  write_slots(batch, [&](int64_t j) { return last_loc.data[j]; }, out.get(plan.num_tokens));
+  take(plan.full_pages);
   return true;
 }
 
@@ -268,15 +241,8 @@ void PagePool::claim_indices(PageClaim& claim, const char* arg, Span indices) co
   for (int64_t i = 0; i < indices.size; ++i) claim.add(arg, page_of(arg, indices[i]), !token_mode());
 }
 
-void check_segment_start(int64_t start_pos, const PageGeometry& page) {
-  if (start_pos < 0 || page.offset(start_pos) != 0)
-    fail("start_pos", start_pos, " is not page-aligned (page size ", page.size, ")");
-}
-
-void PagePool::check_segment_start(int64_t start_pos) const { swa::check_segment_start(start_pos, geometry_); }
-
 void PagePool::claim_segment(PageClaim& claim, const char* indices_arg, Span indices, int64_t start_pos) const {
-  check_segment_start(start_pos);
+  check_segment_start(start_pos, geometry_);
   // Every page_size-th index stands for its page.
   for (int64_t i = 0; i < indices.size; i += page_size_) claim.add(indices_arg, page_of(indices_arg, indices[i]), false);
 }
@@ -301,12 +267,12 @@ void PagePool::free_segment(Span indices, int64_t start_pos) {
 }
 
 void PagePool::free_group_begin() {
-  if (group_open_) fail("free_group_begin", "a free group is already open (groups do not nest)");
+  check_group_begin(group_open_);
   group_open_ = true;
 }
 
 void PagePool::free_group_end(GroupOrder order) {
-  if (!group_open_) fail("free_group_end", "no free group is open");
+  check_group_end(group_open_);
   group_open_ = false;
   std::vector<int64_t> by_index, by_page;
   by_index.swap(group_index_pages_);

@@ -9,29 +9,14 @@
 #include <vector>
 
 #include "errors.h"
+#include "plan.h"
 #include "rules.h"
 #include "span.h"
 
 namespace swa {
 
-// A batch of requests growing from prefix to seq tokens. Decode batches have no
-// prefix span: each request grows by one token.
-struct Batch {
-  Span prefix_lens;  // empty for decode
-  Span seq_lens;
-  Span last_loc;
-  bool decode = false;
-  int64_t size() const { return seq_lens.size; }
-  int64_t prefix(int64_t j) const { return decode ? seq_lens[j] - 1 : prefix_lens[j]; }
-};
-
 class PagePool;
 
-// Checks a batch's lengths (host values only) and returns the new pages it needs.
-int64_t check_batch_lengths(const Batch& batch, int64_t last_loc_size, int64_t extend_num_tokens,
-                            const PageGeometry& page);
-// Throws unless start_pos (where a freed segment starts in its request) is page-aligned.
-void check_segment_start(int64_t start_pos, const PageGeometry& page);
 // The error of a last_loc entry that cannot end its prefix (the CPU's and the device's).
 std::string last_loc_fault_message(LastLocFault fault, int64_t entry, int64_t last_loc, int64_t prefix_len,
                                    const PageGeometry& page, int64_t num_pages);
@@ -59,14 +44,10 @@ class PageClaim {
  private:
   PagePool& pool_;
   bool by_index_;
-  PageState target_;
+  PageState target_;  // the state a claimed page takes now
   std::vector<int64_t> pages_;  // newly claimed, in first-seen order
   bool committed_ = false;
 };
-
-// The rule of resize() for every pool: at least one page, and no more slots than the
-// pool was built with (its index arrays, device memory and the mapping table were sized then).
-void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity);
 
 class PagePool {
  public:
@@ -100,15 +81,14 @@ class PagePool {
   // pool is short; bad arguments throw ArgumentError, changing nothing.
   bool alloc(int64_t need_size, OutBuffer& out);
   // num_new_pages < 0: computed here from the lengths.
-  bool alloc_extend(const Batch& batch, int64_t extend_num_tokens, int64_t num_new_pages, OutBuffer& out);
-  bool alloc_decode(const Batch& batch, OutBuffer& out);
+  bool alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                    int64_t num_new_pages, OutBuffer& out);
+  bool alloc_decode(const BatchLengths& batch, const LastLoc& last_loc, OutBuffer& out);
   void free(Span indices);
   void free_page_ids(Span pages);
   void free_segment(Span indices, int64_t start_pos);
   void free_group_begin();
-  // order: which queue of the group is released first (SPEC.md sections 3 and 4 differ).
-  enum class GroupOrder { kIndicesFirst, kPageIdsFirst };
-  void free_group_end(GroupOrder order = GroupOrder::kIndicesFirst);
+  void free_group_end(GroupOrder order = kPoolGroupOrder);
 
   // Building blocks for the hybrid allocator.
   int64_t page_of(const char* arg, int64_t index) const;  // checks the range
@@ -118,23 +98,21 @@ class PagePool {
     int64_t pos = head_ + k;
     return ring_[pos >= num_pages_ ? pos - num_pages_ : pos];
   }
-  // Validates a batch against this pool and returns the pages it needs.
-  int64_t check_batch(const Batch& batch, int64_t extend_num_tokens) const;
-  // SPEC's merge triggers, before an extend-shaped allocation and before alloc().
-  void merge_before_extend(int64_t need_pages, int64_t extend_num_tokens, int64_t batch_size);
-  void merge_before_alloc(int64_t need_pages);
+  // Checks that each request's last_loc ends its prefix in a page of this pool.
+  void check_last_loc(const BatchLengths& batch, const LastLoc& last_loc) const;
+  // The call's merge trigger (merge_due) on this pool, in its role.
+  void merge_if_due(const AllocPlan& plan, PoolRole role);
   // Writes the slots of the batch, new pages taken from the head of the free list in
-  // batch order; last_loc(j) is where request j's prefix ends. Takes nothing.
-  template <class LastLoc>
-  void write_slots(const Batch& batch, const LastLoc& last_loc, int64_t* out) const;
+  // batch order; prefix_end(j) is where request j's prefix ends. Takes nothing.
+  template <class PrefixEnd>
+  void write_slots(const BatchLengths& batch, const PrefixEnd& prefix_end, int64_t* out) const;
   void take(int64_t n);  // the first n free pages become held
   // Claims the pages of token indices as free() does.
   void claim_indices(PageClaim& claim, const char* arg, Span indices) const;
   void claim_segment(PageClaim& claim, const char* indices_arg, Span indices, int64_t start_pos) const;
-  void check_segment_start(int64_t start_pos) const;
   // Commits a claim: the pages go to the open group's queue, or are released now.
   void finish(PageClaim& claim);
-  // Pages into the free list or staging, in this order.
+  // Pages into the free list or staging (release_destination outside a group), in this order.
   void release(const std::vector<int64_t>& pages);
 
   std::vector<int64_t> free_pages() const;  // in hand-out order
@@ -149,6 +127,9 @@ class PagePool {
  private:
   friend class PageClaim;
   void reset_state();
+  // The checked plan of alloc_extend / alloc_decode, carried out.
+  bool allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, int64_t num_new_pages,
+                OutBuffer& out);
   std::vector<int64_t> queued_by_index() const;
 
   int64_t size_, page_size_, num_pages_;
@@ -167,12 +148,12 @@ class PagePool {
   std::vector<int64_t> group_page_ids_;     // pages of free_page_ids calls held by the group
 };
 
-template <class LastLoc>
-void PagePool::write_slots(const Batch& batch, const LastLoc& last_loc, int64_t* out) const {
+template <class PrefixEnd>
+void PagePool::write_slots(const BatchLengths& batch, const PrefixEnd& prefix_end, int64_t* out) const {
   int64_t pos = 0, page_offset = 0;
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j), seq = batch.seq_lens[j];
-    const int64_t last = last_loc(j);
+    const int64_t last = prefix_end(j);
     const auto page_at_offset = [this, page_offset](int64_t k) { return page_at(page_offset + k); };
     for (int64_t t = 0; t < seq - prefix; ++t)
       out[pos++] = extend_slot(t, prefix, seq, last, geometry_, page_at_offset);

@@ -20,8 +20,27 @@ enum class PageState : uint8_t {
   kStaged,         // freed under need_sort, waiting for the next merge
   kQueuedByIndex,  // freed by free() inside an open free group
   kQueuedByPage,   // freed by page id (free_page_ids / *_segment) inside an open free group
-  kReleasing,      // transient: claimed by the call in progress
+  kClaimed,        // transient: claimed by the call in progress
 };
+
+// Where released pages go.
+enum class Destination : int32_t {
+  kPrepend,     // page pool: the pages freed last are handed out first
+  kAppend,      // token pool
+  kStaged,      // need_sort
+  kGroupIndex,  // open free group: the free() queue (every free of a token pool)
+  kGroupPages,  // open free group: pages freed by id
+};
+
+// The one rule for it: an open free group holds them (the token pool has one queue:
+// its free_page_ids is free()); else need_sort stages them; else the free list takes
+// them, appended by the token pool, prepended by the page pool. by_index: freed as
+// free() frees (by slot) rather than by page id.
+SWA_HD Destination release_destination(bool group_open, bool by_index, bool need_sort, bool token_mode) {
+  if (group_open) return by_index || token_mode ? Destination::kGroupIndex : Destination::kGroupPages;
+  if (need_sort) return Destination::kStaged;
+  return token_mode ? Destination::kAppend : Destination::kPrepend;
+}
 
 SWA_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

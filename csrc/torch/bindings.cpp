@@ -119,12 +119,16 @@ c10::Device device_arg(const py::object& device) {
 }
 
 // The executor of a device allocator: the GPU's, or (kernels="emulated", on the CPU)
-// the ops run element by element on the host, for testing the device algorithm.
+// the ops run element by element on the host, for testing the device algorithm; none
+// for the CPU core. kernels takes the values the `kernels` property reports ('cpu',
+// 'cuda', 'emulated') and 'auto', the one its device implies.
 std::shared_ptr<swa::Executor> device_executor(const c10::Device& device, const std::string& kernels) {
-  if (kernels != "auto" && kernels != "emulated")
-    throw py::value_error("kernels: expected 'auto' or 'emulated', got '" + kernels + "'");
+  if (kernels != "auto" && kernels != "cpu" && kernels != "cuda" && kernels != "emulated")
+    throw py::value_error("kernels: expected 'auto', 'cpu', 'cuda' or 'emulated', got '" + kernels + "'");
+  if (kernels == "cuda" && !device.is_cuda()) throw py::value_error("kernels: 'cuda' runs on device='cuda' only");
   if (device.is_cpu()) return kernels == "emulated" ? std::make_shared<swa::HostExecutor>() : nullptr;
-  if (kernels == "emulated") throw py::value_error("kernels: 'emulated' runs on device='cpu' only");
+  if (kernels != "auto" && kernels != "cuda")
+    throw py::value_error("kernels: '" + kernels + "' runs on device='cpu' only");
 #ifdef SWA_EXT_WITH_CUDA
   return swa::make_cuda_executor(device);
 #else
@@ -159,8 +163,7 @@ struct HybridHandle {
   HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev,
                const std::string& kernels)
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
-    if (size_swa < page_size) swa::fail("size_swa", "must hold at least one page of ", page_size, " tokens, got ", size_swa);
-    if (size < page_size) swa::fail("size", "must hold at least one page of ", page_size, " tokens, got ", size);
+    swa::check_hybrid_shape(size, size_swa, page_size);  // before the mapping tensor is sized by them
     std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
     // One tensor for the allocator's life: serving engines register it with their KV cache.
     mapping = at::zeros({swa::HybridAllocator::mapping_size(size, page_size)}, at::TensorOptions().dtype(at::kLong).device(device));
@@ -194,13 +197,14 @@ struct HybridHandle {
   std::unique_ptr<swa::DeviceHybridAllocator> device_core;  // GPU, or the emulated device algorithm
 };
 
-swa::Batch extend_batch(const IntArg& prefix, const IntArg& seq, const IntArg& last) {
-  return swa::Batch{prefix.span(), seq.span(), last.span(), false};
+swa::BatchLengths extend_batch(const IntArg& prefix, const IntArg& seq) {
+  return swa::BatchLengths{prefix.span(), seq.span(), false};
 }
 
-swa::Batch decode_batch(const IntArg& seq, const IntArg& last) {
-  return swa::Batch{swa::Span(), seq.span(), last.span(), true};
-}
+swa::BatchLengths decode_batch(const IntArg& seq) { return swa::BatchLengths{swa::Span(), seq.span(), true}; }
+
+// last_loc in the allocator's memory (device memory on a GPU allocator).
+swa::LastLoc last_loc_of(const IntArg& last) { return swa::LastLoc(last.span().data, last.span().size); }
 
 template <class Slot>
 void evict_rows(swa::HybridAllocator& core, const at::Tensor& req_to_token, const IntArg& rows, const IntArg& pre_lens,
@@ -277,9 +281,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const swa::Batch batch = extend_batch(pre, seq, last);
-             const bool ok = h.pool ? h.pool->alloc_extend(batch, extend_num_tokens, num_new_pages.value_or(-1), out)
-                                    : h.device_pool->alloc_extend(batch, last.span().data, last.span().size,
+             const swa::BatchLengths batch = extend_batch(pre, seq);
+             const bool ok = h.pool ? h.pool->alloc_extend(batch, last_loc_of(last), extend_num_tokens, num_new_pages.value_or(-1), out)
+                                    : h.device_pool->alloc_extend(batch, last_loc_of(last),
                                                                   extend_num_tokens, num_new_pages.value_or(-1), out);
              h.after_change();
              return result(ok, out);
@@ -290,9 +294,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const swa::Batch batch = decode_batch(seq, last);
-             const bool ok = h.pool ? h.pool->alloc_decode(batch, out)
-                                    : h.device_pool->alloc_decode(batch, last.span().data, last.span().size, out);
+             const swa::BatchLengths batch = decode_batch(seq);
+             const bool ok = h.pool ? h.pool->alloc_decode(batch, last_loc_of(last), out)
+                                    : h.device_pool->alloc_decode(batch, last_loc_of(last), out);
              h.after_change();
              return result(ok, out);
            }, swa_docs::pool_alloc_decode, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
@@ -359,8 +363,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              UseGuard guard(*h.busy);
              const int64_t size = h.pool ? h.pool->size() : h.device_pool->size();
              const int64_t page_size = h.pool ? h.pool->page_size() : h.device_pool->page_size();
-             if (state.size() != size || state.page_size() != page_size)
-               swa::fail("state", "was taken from a pool of another shape");
+             swa::check_state_shape("a pool", state.size() == size && state.page_size() == page_size);
              if (h.pool) return void(*h.pool = state);
              h.device_pool->restore(state);
              h.device_pool->control().reset();
@@ -409,9 +412,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const swa::Batch batch = extend_batch(pre, seq, last);
-             const bool ok = h.core ? h.core->alloc_extend(batch, extend_num_tokens, out)
-                                    : h.device_core->alloc_extend(batch, last.span().data, last.span().size,
+             const swa::BatchLengths batch = extend_batch(pre, seq);
+             const bool ok = h.core ? h.core->alloc_extend(batch, last_loc_of(last), extend_num_tokens, out)
+                                    : h.device_core->alloc_extend(batch, last_loc_of(last),
                                                                   extend_num_tokens, out);
              h.after_change();
              return result(ok, out);
@@ -425,9 +428,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const swa::Batch batch = extend_batch(pre, seq, last);
-             const bool ok = h.core ? h.core->alloc_extend_swa_tail(batch, extend_num_tokens, swa_tail_len, out)
-                                    : h.device_core->alloc_extend_swa_tail(batch, last.span().data, last.span().size,
+             const swa::BatchLengths batch = extend_batch(pre, seq);
+             const bool ok = h.core ? h.core->alloc_extend_swa_tail(batch, last_loc_of(last), extend_num_tokens, swa_tail_len, out)
+                                    : h.device_core->alloc_extend_swa_tail(batch, last_loc_of(last),
                                                                            extend_num_tokens, swa_tail_len, out);
              h.after_change();
              return result(ok, out);
@@ -438,9 +441,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
              const IntArg last = int_arg("last_loc", last_loc, h.device);
              TensorOut out(h.device);
-             const swa::Batch batch = decode_batch(seq, last);
-             const bool ok = h.core ? h.core->alloc_decode(batch, out)
-                                    : h.device_core->alloc_decode(batch, last.span().data, last.span().size, out);
+             const swa::BatchLengths batch = decode_batch(seq);
+             const bool ok = h.core ? h.core->alloc_decode(batch, last_loc_of(last), out)
+                                    : h.device_core->alloc_decode(batch, last_loc_of(last), out);
              h.after_change();
              return result(ok, out);
            }, swa_docs::hybrid_alloc_decode, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))

@@ -67,8 +67,9 @@ inline constexpr char pool_class[] =
 inline constexpr char pool_init[] =
     "size: slots (tokens), at least one page; page_size: slots per page; device: 'cpu' or\n"
     "'cuda'; need_sort: freed pages wait in a staging list (release_pages) and are merged\n"
-    "into the sorted free list when an allocation needs them; kernels: 'auto', or\n"
-    "'emulated' (device='cpu' only) to run the GPU algorithm element by element on the CPU.\n"
+    "into the sorted free list when an allocation needs them; kernels: 'auto' (what the\n"
+    "device implies), 'cpu' or 'cuda' (the same, stated), or 'emulated' (device='cpu' only)\n"
+    "to run the GPU algorithm element by element on the CPU.\n"
     "Raises ValueError or TypeError naming the bad argument.";
 
 inline constexpr char pool_init_shared[] = "A second handle on the pool `shared` (how a hybrid allocator's pool views are made).";
@@ -160,7 +161,8 @@ inline constexpr char hybrid_class[] =
 inline constexpr char hybrid_init[] =
     "size, size_swa: the full and SWA pools' slots (tokens), at least one page each;\n"
     "page_size: slots per page; device: 'cpu' or 'cuda'; need_sort: freed pages are staged\n"
-    "and merged sorted; kernels: 'auto', or 'emulated' (device='cpu' only).\n"
+    "and merged sorted; kernels: 'auto' (what the device implies), 'cpu' or 'cuda' (the\n"
+    "same, stated; the values of the kernels property), or 'emulated' (device='cpu' only).\n"
     "Raises ValueError or TypeError naming the bad argument.";
 
 inline constexpr char hybrid_page_size[] = "Slots (tokens) per page, the same in both pools.";

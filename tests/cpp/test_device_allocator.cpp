@@ -25,17 +25,17 @@ struct Pair {
 
   V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {
     VectorOut a, b;
-    const Batch batch{prefix, seq, last, false};
-    const bool ok = cpu.alloc_extend(batch, ext, a);
-    EXPECT_EQ(ok, dev.alloc_extend(batch, last.data(), static_cast<int64_t>(last.size()), ext, b));
+    const BatchLengths batch{prefix, seq, false};
+    const bool ok = cpu.alloc_extend(batch, last, ext, a);
+    EXPECT_EQ(ok, dev.alloc_extend(batch, last, ext, b));
     EXPECT_EQ(a.values, b.values);
     return ok ? a.values : V{};
   }
   V decode(const V& seq, const V& last) {
     VectorOut a, b;
-    const Batch batch{Span(), seq, last, true};
-    const bool ok = cpu.alloc_decode(batch, a);
-    EXPECT_EQ(ok, dev.alloc_decode(batch, last.data(), static_cast<int64_t>(last.size()), b));
+    const BatchLengths batch{Span(), seq, true};
+    const bool ok = cpu.alloc_decode(batch, last, a);
+    EXPECT_EQ(ok, dev.alloc_decode(batch, last, b));
     EXPECT_EQ(a.values, b.values);
     return ok ? a.values : V{};
   }

@@ -18,12 +18,12 @@ struct Fixture {
 
   V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {
     VectorOut out;
-    if (!alloc.alloc_extend(Batch{prefix, seq, last, false}, ext, out)) return {};
+    if (!alloc.alloc_extend(BatchLengths{prefix, seq, false}, last, ext, out)) return {};
     return out.values;
   }
   V decode(const V& seq, const V& last) {
     VectorOut out;
-    if (!alloc.alloc_decode(Batch{Span(), seq, last, true}, out)) return {};
+    if (!alloc.alloc_decode(BatchLengths{Span(), seq, true}, last, out)) return {};
     return out.values;
   }
 };
@@ -52,7 +52,7 @@ TEST(Hybrid, SwaTailLeavesTheHeadUnmapped) {
   Fixture f(256, 128, 16);
   VectorOut out;
   const V prefix{0}, seq{68}, last{-1};
-  ASSERT_TRUE(f.alloc.alloc_extend_swa_tail(Batch{prefix, seq, last, false}, 68, 52, out));
+  ASSERT_TRUE(f.alloc.alloc_extend_swa_tail(BatchLengths{prefix, seq, false}, last, 68, 52, out));
   for (int64_t i = 0; i < 68; ++i) EXPECT_EQ(f.mapping[out.values[i]] > 0, i >= 16) << i;
   EXPECT_EQ(f.alloc.swa().available_size(), 128 - 64);
   EXPECT_THROW(f.alloc.free_swa_segment(V(out.values.begin(), out.values.begin() + 16), 0), ArgumentError);

@@ -106,6 +106,6 @@ TEST(PagePool, ExtendRefusalChangesNothing) {
   const V prefix{0}, seq{80}, last{-1};
   VectorOut out;
   const PagePool before = pool;
-  EXPECT_FALSE(pool.alloc_extend(Batch{prefix, seq, last, false}, 80, -1, out));
+  EXPECT_FALSE(pool.alloc_extend(BatchLengths{prefix, seq, false}, last, 80, -1, out));
   EXPECT_TRUE(pool == before);
 }

@@ -1,0 +1,101 @@
+#include "plan.h"
+
+namespace swa {
+
+namespace {
+
+// Checks a batch's lengths and the size of its last_loc; returns its new pages.
+AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                     const PageGeometry& page) {
+  const int64_t bs = batch.size();
+  if (last_loc.size != bs) fail("last_loc", "has ", last_loc.size, " entries for a batch of ", bs, " (seq_lens)");
+  if (!batch.decode && batch.prefix_lens.size != bs)
+    fail("prefix_lens", "has ", batch.prefix_lens.size, " entries but seq_lens has ", bs);
+  int64_t tokens = 0, pages = 0;
+  for (int64_t j = 0; j < bs; ++j) {
+    const int64_t seq = batch.seq_lens[j], prefix = batch.prefix(j);
+    if (batch.decode && seq < 1) fail("seq_lens", "entry ", j, " is ", seq, "; a decode step needs >= 1");
+    if (prefix < 0) fail("prefix_lens", "entry ", j, " is negative (", prefix, ")");
+    if (seq < prefix) fail("seq_lens", "entry ", j, " (", seq, ") is below its prefix length ", prefix);
+    tokens += seq - prefix;
+    pages += new_page_count(prefix, seq, page);
+  }
+  if (!batch.decode && tokens != extend_num_tokens)
+    fail("extend_num_tokens", "is ", extend_num_tokens, " but seq_lens - prefix_lens sums to ", tokens);
+  return AllocPlan{call, bs, tokens, pages, pages, tokens};
+}
+
+}  // namespace
+
+void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size) {
+  if (page_size < 1) fail("page_size", "must be >= 1, got ", page_size);
+  if (size < page_size) fail(size_arg, "must hold at least one page of ", page_size, " tokens, got ", size);
+}
+
+void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size) {
+  if (size_swa < page_size) fail("size_swa", "must hold at least one page of ", page_size, " tokens, got ", size_swa);
+  check_pool_shape("size", size, page_size);
+}
+
+void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity) {
+  if (size < page_size) fail(arg, "must hold at least one page of ", page_size, " tokens, got ", size);
+  if (size > capacity) fail(arg, "cannot grow past the ", capacity, " tokens the pool was built with, got ", size);
+}
+
+void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
+                         int64_t swa_capacity) {
+  check_resize("size", size, page_size, full_capacity);
+  check_resize("size_swa", size_swa, page_size, swa_capacity);
+}
+
+void check_state_shape(const char* what, bool same_shape) {
+  if (!same_shape) fail("state", "was taken from ", what, " of another shape");
+}
+
+AllocPlan plan_alloc(int64_t need_size, const PageGeometry& page) {
+  if (need_size < 0) fail("need_size", "is negative (", need_size, ")");
+  if (page.offset(need_size) != 0) fail("need_size", need_size, " is not a multiple of the page size ", page.size);
+  const int64_t pages = page.page(need_size);
+  return AllocPlan{AllocCall::kAlloc, 1, need_size, pages, pages, need_size};
+}
+
+AllocPlan plan_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                      const PageGeometry& page) {
+  return plan_batch(AllocCall::kExtend, batch, last_loc, extend_num_tokens, page);
+}
+
+AllocPlan plan_extend_swa_tail(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                               int64_t swa_tail_len, const PageGeometry& page) {
+  if (batch.size() != 1) fail("seq_lens", "alloc_extend_swa_tail takes one request, got ", batch.size());
+  AllocPlan plan = plan_batch(AllocCall::kExtendSwaTail, batch, last_loc, extend_num_tokens, page);
+  if (swa_tail_len < 0 || swa_tail_len > extend_num_tokens)
+    fail("swa_tail_len", swa_tail_len, " is outside [0, extend_num_tokens = ", extend_num_tokens, "]");
+  // The tail gets fresh SWA pages of its own; the head has no SWA KV.
+  plan.swa_tokens = swa_tail_len;
+  plan.swa_pages = page.pages_for(swa_tail_len);
+  return plan;
+}
+
+AllocPlan plan_decode(const BatchLengths& batch, const LastLoc& last_loc, const PageGeometry& page) {
+  return plan_batch(AllocCall::kDecode, batch, last_loc, -1, page);
+}
+
+void check_num_new_pages(int64_t num_new_pages, const AllocPlan& plan) {
+  if (num_new_pages >= 0 && num_new_pages != plan.full_pages)
+    fail("num_new_pages", "is ", num_new_pages, " but the lengths need ", plan.full_pages, " new pages");
+}
+
+void check_segment_start(int64_t start_pos, const PageGeometry& page) {
+  if (start_pos < 0 || page.offset(start_pos) != 0)
+    fail("start_pos", start_pos, " is not page-aligned (page size ", page.size, ")");
+}
+
+void check_group_begin(bool open) {
+  if (open) fail("free_group_begin", "a free group is already open (groups do not nest)");
+}
+
+void check_group_end(bool open) {
+  if (!open) fail("free_group_end", "no free group is open");
+}
+
+}  // namespace swa

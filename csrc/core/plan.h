@@ -1,0 +1,136 @@
+// The allocator's decisions, taken once for the CPU core and the device algorithm from
+// host values only: the counts each pool keeps on the host and the CPU copies of the
+// lengths. Nothing here reads index memory (last_loc, indices, the mapping); the
+// checks that need index values stay with the pool that holds them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "rules.h"
+#include "span.h"
+
+namespace swa {
+
+// The lengths of a batch of requests growing from prefix to seq tokens: host values
+// (the CPU copies), which every decision reads. Decode batches have no prefix span:
+// each request grows by one token.
+struct BatchLengths {
+  Span prefix_lens;  // empty for decode
+  Span seq_lens;
+  bool decode = false;
+  int64_t size() const { return seq_lens.size; }
+  int64_t prefix(int64_t j) const { return decode ? seq_lens[j] - 1 : prefix_lens[j]; }
+};
+
+// Where each request's prefix ends (its last full slot, -1 for none), in the backend's
+// memory: host memory for the CPU core, device memory for the device algorithm, which
+// reads it only in its ops. Its size is known on the host.
+struct LastLoc {
+  const int64_t* data = nullptr;
+  int64_t size = 0;
+  LastLoc() = default;
+  LastLoc(const int64_t* d, int64_t n) : data(d), size(n) {}
+  LastLoc(const std::vector<int64_t>& v) : data(v.data()), size(static_cast<int64_t>(v.size())) {}
+};
+
+// ---------------------------------------------------------------- shapes
+
+// A pool of `size` slots in pages of page_size slots (constructor and resize rule).
+void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size);
+// The hybrid allocator's two pools, checked before either is built.
+void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size);
+// The rule of resize() for every pool: at least one page, and no more slots than the
+// pool was built with (its index arrays, device memory and the mapping table were sized then).
+void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity);
+// resize() of the hybrid allocator: both pools checked before either changes.
+void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
+                         int64_t swa_capacity);
+// restore_state of a snapshot: it must come from an allocator (pool) of this shape.
+void check_state_shape(const char* what, bool same_shape);
+
+// ---------------------------------------------------------------- allocation
+
+enum class AllocCall { kAlloc, kExtend, kExtendSwaTail, kDecode };
+
+// What an allocation call takes, its arguments checked: num_tokens slots on the full
+// pool (and, but for alloc_extend_swa_tail, the SWA pool), full_pages / swa_pages new
+// pages, and for alloc_extend_swa_tail the swa_tokens of its tail.
+struct AllocPlan {
+  AllocCall call;
+  int64_t batch_size, num_tokens, full_pages, swa_pages, swa_tokens;
+  // The full slots of alloc_extend_swa_tail that get no SWA slot (the head).
+  int64_t swa_head_len() const { return num_tokens - swa_tokens; }
+};
+
+// The argument checks of each allocation call (lengths and the size of last_loc; the
+// values of last_loc are the pool's to check).
+AllocPlan plan_alloc(int64_t need_size, const PageGeometry& page);
+AllocPlan plan_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                      const PageGeometry& page);
+AllocPlan plan_extend_swa_tail(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
+                               int64_t swa_tail_len, const PageGeometry& page);
+AllocPlan plan_decode(const BatchLengths& batch, const LastLoc& last_loc, const PageGeometry& page);
+// A lone pool's alloc_extend may be told the page count (SGLang's num_new_pages); it must agree.
+void check_num_new_pages(int64_t num_new_pages, const AllocPlan& plan);
+
+enum class PoolRole { kFull, kSwa };
+inline bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages, int64_t full_available_pages,
+                                int64_t swa_available_pages) {
+  return num_full_pages <= full_available_pages && num_swa_pages <= swa_available_pages;
+}
+// need_sort's merge trigger of the call on one pool, given its free (not staged) pages.
+// Inline, with the refusals: they run on every allocation.
+inline bool merge_due(const AllocPlan& plan, PoolRole pool, int64_t free_pages, const PageGeometry& page) {
+  const bool swa = pool == PoolRole::kSwa;
+  switch (plan.call) {
+    case AllocCall::kAlloc:
+      return plan.full_pages > free_pages;
+    case AllocCall::kDecode:
+      return plan.batch_size > free_pages;
+    case AllocCall::kExtend:
+      return extend_merge_due(plan.full_pages, plan.num_tokens, plan.batch_size, free_pages, page);
+    case AllocCall::kExtendSwaTail:
+      if (!swa) return extend_merge_due(plan.full_pages, plan.num_tokens, 1, free_pages, page);
+      return plan.swa_tokens > 0 && extend_merge_due(plan.swa_pages, plan.swa_tokens, 1, free_pages, page);
+  }
+  return false;
+}
+
+inline bool hybrid_refused(const AllocPlan& plan, int64_t full_available_pages, int64_t swa_available_pages) {
+  return !new_pages_available(plan.full_pages, plan.swa_pages, full_available_pages, swa_available_pages);
+}
+// A hybrid allocation is refused, before anything changes (merges included), unless both
+// pools hold its pages (hybrid_refused); a lone pool merges first and refuses on its free
+// pages then, as SGLang's does.
+inline bool pool_refused(const AllocPlan& plan, int64_t free_pages_after_merge) {
+  return plan.full_pages > free_pages_after_merge;
+}
+// available_size() of the hybrid allocator: what both pools can still hold.
+inline int64_t hybrid_available_size(int64_t full_available, int64_t swa_available) {
+  return full_available < swa_available ? full_available : swa_available;
+}
+
+// ---------------------------------------------------------------- frees
+
+// Throws unless start_pos (where a freed segment starts in its request) is page-aligned.
+void check_segment_start(int64_t start_pos, const PageGeometry& page);
+// Free groups do not nest; begin and end pair up. `open`: whether a group is open
+// (on either pool of a hybrid allocator).
+void check_group_begin(bool open);
+void check_group_end(bool open);
+// Which queue of a group is released first at its end (SPEC.md sections 3 and 4 differ).
+enum class GroupOrder { kIndicesFirst, kPageIdsFirst };
+// The hybrid allocator ends its group SWA first, the page ids held from
+// free_swa_segment before the slots from free_swa; a lone pool and the full pool
+// release by index first.
+constexpr GroupOrder kPoolGroupOrder = GroupOrder::kIndicesFirst;
+constexpr GroupOrder kSwaGroupOrder = GroupOrder::kPageIdsFirst;
+// At page size 1 a slot is a page: the SWA half of free() / free_swa() frees the
+// mapped slots as a segment (one representative per page) instead of the mapped slots
+// of each page.
+inline bool swa_free_by_segment(int64_t page_size) { return page_size == 1; }
+
+}  // namespace swa

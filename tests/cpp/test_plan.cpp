@@ -1,0 +1,86 @@
+// The planner: decisions from host values only.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "plan.h"
+
+using namespace swa;
+using V = std::vector<int64_t>;
+
+TEST(Plan, ExtendCountsTokensAndNewPagesAndChecksLastLocSize) {
+  const PageGeometry page(16);
+  const V prefix{0, 20}, seq{17, 33}, last{-1, 40};
+  const AllocPlan plan = plan_extend(BatchLengths{prefix, seq, false}, last, 30, page);
+  EXPECT_EQ(plan.num_tokens, 30);
+  EXPECT_EQ(plan.full_pages, 2 + 1);  // 17 tokens: 2 pages; 20 -> 33: page 3 of 3
+  EXPECT_EQ(plan.swa_pages, plan.full_pages);
+  EXPECT_THROW(plan_extend(BatchLengths{prefix, seq, false}, V{-1}, 30, page), ArgumentError);
+  EXPECT_THROW(plan_extend(BatchLengths{prefix, seq, false}, last, 29, page), ArgumentError);
+  EXPECT_THROW(plan_extend(BatchLengths{prefix, seq, false}, last, -1, page), ArgumentError);
+}
+
+TEST(Plan, SwaTailTakesSwaPagesForTheTailOnly) {
+  const PageGeometry page(16);
+  const V prefix{0}, seq{68}, last{-1};
+  const AllocPlan plan = plan_extend_swa_tail(BatchLengths{prefix, seq, false}, last, 68, 52, page);
+  EXPECT_EQ(plan.full_pages, 5);
+  EXPECT_EQ(plan.swa_pages, 4);
+  EXPECT_EQ(plan.swa_head_len(), 16);
+  EXPECT_THROW(plan_extend_swa_tail(BatchLengths{prefix, seq, false}, last, 68, 69, page), ArgumentError);
+  const V two{0, 0}, seqs{4, 4}, lasts{-1, -1};
+  EXPECT_THROW(plan_extend_swa_tail(BatchLengths{two, seqs, false}, lasts, 8, 8, page), ArgumentError);
+}
+
+TEST(Plan, MergeTriggersDifferByCall) {
+  const PageGeometry page(16);
+  const AllocPlan alloc = plan_alloc(32, page);
+  EXPECT_TRUE(merge_due(alloc, PoolRole::kFull, 1, page));
+  EXPECT_FALSE(merge_due(alloc, PoolRole::kFull, 2, page));
+  const V seq{17, 5}, last{40, 60};
+  const AllocPlan decode = plan_decode(BatchLengths{Span(), seq, true}, last, page);
+  EXPECT_EQ(decode.full_pages, 1);
+  EXPECT_TRUE(merge_due(decode, PoolRole::kFull, 1, page));  // decode merges when free < batch size
+  EXPECT_FALSE(merge_due(decode, PoolRole::kFull, 2, page));
+  // An extend merges early, when the free list is merely low: ext / page + batch + 1 pages.
+  const V prefix{0}, seq1{16}, last1{-1};
+  const AllocPlan extend = plan_extend(BatchLengths{prefix, seq1, false}, last1, 16, page);
+  EXPECT_TRUE(merge_due(extend, PoolRole::kFull, 2, page));
+  EXPECT_FALSE(merge_due(extend, PoolRole::kFull, 3, page));
+  // A tail of 0 tokens never merges the SWA pool.
+  const AllocPlan no_tail = plan_extend_swa_tail(BatchLengths{prefix, seq1, false}, last1, 16, 0, page);
+  EXPECT_FALSE(merge_due(no_tail, PoolRole::kSwa, 0, page));
+  EXPECT_TRUE(merge_due(no_tail, PoolRole::kFull, 0, page));
+}
+
+TEST(Plan, HybridRefusalNeedsBothPools) {
+  const AllocPlan plan = plan_alloc(32, PageGeometry(16));
+  EXPECT_FALSE(hybrid_refused(plan, 2, 2));
+  EXPECT_TRUE(hybrid_refused(plan, 2, 1));
+  EXPECT_TRUE(hybrid_refused(plan, 1, 2));
+  EXPECT_EQ(hybrid_available_size(64, 48), 48);
+}
+
+TEST(Plan, ReleaseDestination) {
+  EXPECT_EQ(release_destination(true, true, false, false), Destination::kGroupIndex);
+  EXPECT_EQ(release_destination(true, false, true, false), Destination::kGroupPages);
+  EXPECT_EQ(release_destination(true, false, false, true), Destination::kGroupIndex);  // token pool: one queue
+  EXPECT_EQ(release_destination(false, true, true, false), Destination::kStaged);
+  EXPECT_EQ(release_destination(false, false, false, true), Destination::kAppend);
+  EXPECT_EQ(release_destination(false, true, false, false), Destination::kPrepend);
+}
+
+TEST(Plan, ShapeAndGroupChecksNameTheArgument) {
+  try {
+    check_hybrid_shape(64, 8, 16);
+    FAIL();
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("size_swa:", 0), 0u) << e.what();
+  }
+  EXPECT_THROW(check_pool_shape("size", 64, 0), ArgumentError);
+  EXPECT_THROW(check_group_begin(true), ArgumentError);
+  EXPECT_NO_THROW(check_group_begin(false));
+  EXPECT_THROW(check_group_end(false), ArgumentError);
+  EXPECT_THROW(check_num_new_pages(3, plan_alloc(32, PageGeometry(16))), ArgumentError);
+  EXPECT_NO_THROW(check_num_new_pages(2, plan_alloc(32, PageGeometry(16))));
+}
