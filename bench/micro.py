@@ -291,31 +291,34 @@ def _stats(ns: Sequence[int]) -> Dict[str, float]:
     return {"median": float(statistics.median(xs)), "p10": float(q[0]), "p90": float(q[-1])}
 
 
-def _measure(case: _Case, fns, iters: Optional[int], seconds: float, warmup: int,
-             flush: Optional[torch.Tensor] = None):
+def _slots(case: _Case, fns):
+    """(name, call, restore) of each implementation in the alternating loop."""
     nat, base, flo = fns
+    return [("native", nat, case.restore_native), ("baseline", base, case.restore_base), ("floor", flo, None)]
+
+
+def _measure(case: _Case, slots, iters: Optional[int], seconds: float, warmup: int,
+             flush: Optional[torch.Tensor] = None):
+    """Times every implementation of ``slots`` (``_slots``): each round calls each once,
+    the order rotating, its state restored first; the first (untimed) round checks that
+    native and baseline agree. Returns the times (ns) by name, the rounds, the check."""
     cuda = case.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    slots = (
-        ("native", nat, case.restore_native),
-        ("baseline", base, case.restore_base),
-        ("floor", flo, None),
-    )
-    times: Dict[str, List[int]] = {k: [] for k in IMPLS}
+    calls = {name: fn for name, fn, _ in slots}
+    times: Dict[str, List[int]] = {name: [] for name, _, _ in slots}
     clock = time.perf_counter_ns
 
-    # First (untimed) round: the results must agree.
     case.restore_native()
     case.restore_base()
-    r_nat = nat()
-    r_base = base()
+    r_nat = calls["native"]()
+    r_base = calls["baseline"]()
     sync()
     match = case.same_result("result", r_nat, r_base)
     del r_nat, r_base
 
     def one_round(i, record):
-        for k in range(3):
-            name, fn, restore = slots[(i + k) % 3]
+        for k in range(len(slots)):
+            name, fn, restore = slots[(i + k) % len(slots)]
             if restore is not None:
                 restore()
             if flush is not None:
@@ -347,8 +350,9 @@ def _measure(case: _Case, fns, iters: Optional[int], seconds: float, warmup: int
     finally:
         if gc_was_enabled:
             gc.enable()
-    case.restore_native()
-    case.restore_base()
+    for _, _, restore in slots:
+        if restore is not None:
+            restore()
     return times, iters, match
 
 
@@ -419,7 +423,7 @@ def _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case,
                 case = _Case(B, ps, device)
                 for op in ops:
                     fns = case.op(op, _C.bench_floor)
-                    times, n, match = _measure(case, fns, iters, seconds_per_case, warmup, flush)
+                    times, n, match = _measure(case, _slots(case, fns), iters, seconds_per_case, warmup, flush)
                     row = {
                         "device": device,
                         "op": op,

@@ -36,6 +36,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+import swa_ext
+
 from . import micro, sglang_ref
 from .evict_baseline import evict_per_request
 
@@ -141,68 +143,21 @@ class Case(micro._Case):
         return None
 
 
-def _measure(case: Case, fns: Dict[str, object], iters: Optional[int], seconds: float, warmup: int):
-    """``micro._measure`` for any set of implementations: every round calls each
-    once, the order rotating, the state restored before each call."""
-    restores = {"native": case.restore_native, "baseline": case.restore_base,
-                "sglang": case.restore_sglang, "floor": None}
-    slots = [(name, fns[name], restores[name]) for name in IMPLS if name in fns]
-    cuda = case.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times: Dict[str, List[int]] = {name: [] for name, _, _ in slots}
-    clock = time.perf_counter_ns
-
-    # Untimed first round: the results must agree.
-    case.restore_native()
-    case.restore_base()
-    r_nat, r_base = fns["native"](), fns["baseline"]()
-    sync()
-    match = case.same_result("result", r_nat, r_base)
+def _measure(case: Case, fns, sglang, iters: Optional[int], seconds: float, warmup: int, flush):
+    """``micro._measure`` with SGLang's call as a fourth slot, checked first against native's."""
+    slots = micro._slots(case, fns)
     sglang_mismatch = None
-    if "sglang" in fns:
+    if sglang is not None:
+        case.restore_native()
+        r_nat = fns[0]()
         case.restore_sglang()
-        r_sgl = fns["sglang"]()
-        sync()
+        r_sgl = sglang()
+        if case.device.startswith("cuda"):
+            torch.cuda.synchronize()
         sglang_mismatch = case.sglang_mismatch(r_nat, r_sgl)
-        del r_sgl
-    del r_nat, r_base
-
-    n = len(slots)
-
-    def one_round(i, record):
-        for k in range(n):
-            name, fn, restore = slots[(i + k) % n]
-            if restore is not None:
-                restore()
-            sync()
-            t0 = clock()
-            r = fn()
-            t1 = clock()
-            sync()
-            del r
-            if record:
-                times[name].append(t1 - t0)
-
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        started = time.perf_counter()
-        one_round(0, False)
-        per_round = time.perf_counter() - started
-        for i in range(1, warmup if per_round * 10 < seconds else 1):
-            t = time.perf_counter()
-            one_round(i, False)
-            per_round = time.perf_counter() - t
-        if iters is None:
-            iters = int(max(micro.MIN_ITERS, min(micro.MAX_ITERS, seconds / max(per_round, 1e-9))))
-        for i in range(iters):
-            one_round(i, True)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    for _, _, restore in slots:
-        if restore is not None:
-            restore()
+        del r_nat, r_sgl
+        slots.append(("sglang", sglang, case.restore_sglang))
+    times, iters, match = micro._measure(case, slots, iters, seconds, warmup, flush)
     return times, iters, match, sglang_mismatch
 
 
@@ -217,9 +172,11 @@ def run(
     progress: bool = False,
     threads: Optional[int] = 1,
     with_sglang: Optional[bool] = None,
+    flush_cache_mb: int = 0,
 ) -> List[dict]:
     """One row per (device, page size, batch size, op), as ``micro.run`` plus the
-    ``sglang_*`` columns. ``with_sglang=None``: whenever sglang is importable."""
+    ``sglang_*`` columns. ``with_sglang=None``: whenever sglang is importable.
+    ``flush_cache_mb`` as for ``micro.run``."""
     ops = list(micro.OPS if ops is None else ops)
     unknown = [op for op in ops if op not in micro.OPS]
     if unknown:
@@ -234,8 +191,8 @@ def run(
         if iters is None:
             iters = micro.SMOKE_ITERS
     warmup = 1 if smoke else 2
-    floor, floor_name = micro.floor_fn()
-    _, evict_name = micro._native_evict()
+    floor, floor_name, evict_name = swa_ext._C.bench_floor, micro.FLOOR_IMPL, micro.EVICT_IMPL
+    flush = torch.zeros(flush_cache_mb * (1 << 20) // 8, dtype=torch.int64) if flush_cache_mb > 0 else None
 
     gc.collect()
     old_threads = torch.get_num_threads()
@@ -249,12 +206,10 @@ def run(
                 for B in batch_sizes:
                     case = Case(B, ps, device, with_sglang)
                     for op in ops:
-                        native, baseline, flo = case.op(op, floor)
-                        fns = {"native": native, "baseline": baseline, "floor": flo}
+                        fns = case.op(op, floor)
                         sgl = case.sglang_op(op, floor) if with_sglang else None
-                        if sgl is not None:
-                            fns["sglang"] = sgl
-                        times, n, match, sglang_mismatch = _measure(case, fns, iters, seconds_per_case, warmup)
+                        times, n, match, sglang_mismatch = _measure(case, fns, sgl, iters, seconds_per_case, warmup,
+                                                                    flush)
                         row = _row(device, op, B, ps, n, times, match, sglang_mismatch, floor_name, evict_name)
                         rows.append(row)
                         if progress:
@@ -396,6 +351,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--iters", type=int, help="timed rounds per case (default: fit --seconds-per-case)")
     p.add_argument("--seconds-per-case", type=float, default=micro.DEFAULT_SECONDS_PER_CASE)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--flush-cache-mb", type=int, default=0, metavar="MB",
+                   help="write MB megabytes before every timed call: cold caches (default 0: off)")
     p.add_argument("--smoke", action="store_true", help="batch sizes capped at 8, 3 rounds")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH")
@@ -421,7 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         rows = run(ops=ops, batch_sizes=batch_sizes, page_sizes=page_sizes, devices=args.device or ["cpu"],
                    iters=args.iters, smoke=args.smoke, seconds_per_case=args.seconds_per_case,
-                   progress=not args.quiet, threads=args.threads or None)
+                   progress=not args.quiet, threads=args.threads or None,
+                   flush_cache_mb=max(0, args.flush_cache_mb))
     except ValueError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
