@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+import swa_ext
+
+ROOT = Path(__file__).resolve().parents[2]
 
 try:
     from swa_ext_bench import micro, sglang_ref, vs_sglang
@@ -61,7 +63,7 @@ def test_sglang_is_the_third_reference_of_every_case_it_has_a_call_for():
 @pytest.mark.parametrize("op", micro.OPS)
 def test_sglang_returns_what_native_returns_on_the_same_call(op, page_size):
     case = vs_sglang.Case(micro.SMOKE_MAX_BATCH, page_size, "cpu", with_sglang=True)
-    floor, _ = micro.floor_fn()
+    floor = swa_ext._C.bench_floor
     sgl = case.sglang_op(op, floor)
     if _no_sglang_call(op, page_size):
         assert sgl is None
@@ -80,7 +82,7 @@ def test_sglang_returns_what_native_returns_on_the_same_call(op, page_size):
 @needs_sglang
 def test_a_difference_from_native_is_reported():
     case = vs_sglang.Case(micro.SMOKE_MAX_BATCH, 16, "cpu", with_sglang=True)
-    floor, _ = micro.floor_fn()
+    floor = swa_ext._C.bench_floor
     native, sgl = case.op("alloc_extend", floor)[0], case.sglang_op("alloc_extend", floor)
     # SGLang's free list reversed: the same number of pages free, handed out in another order.
     pool = case.sgl.full_attn_allocator
