@@ -119,6 +119,15 @@ def _i64(values, device="cpu"):
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
+def comparable(r):
+    """A call's result as plain values (tensors as lists), for comparing implementations."""
+    if isinstance(r, torch.Tensor):
+        return r.cpu().tolist()
+    if isinstance(r, (list, tuple)):
+        return [comparable(x) for x in r]
+    return r
+
+
 class _Case:
     """Native and baseline allocators in the same state, and every op's inputs."""
 
@@ -264,21 +273,11 @@ class _Case:
 
     def same_result(self, name, r_native, r_base) -> bool:
         """Native and baseline agree on the call's result and the state after it."""
-
-        def norm(r):
-            if r is None:
-                return None
-            if isinstance(r, torch.Tensor):
-                return r.cpu().tolist()
-            if isinstance(r, (list, tuple)):
-                return [norm(x) for x in r]
-            return r
-
         try:
             self._check_same_avail(name)
         except RuntimeError:
             return False
-        return norm(r_native) == norm(r_base)
+        return comparable(r_native) == comparable(r_base)
 
 
 # ---------------------------------------------------------------------------

@@ -73,16 +73,6 @@ class _SGLangAtPageSize1:
         return self._alloc.alloc(len(seq_lens))
 
 
-def _norm(r):
-    if r is None:
-        return None
-    if isinstance(r, torch.Tensor):
-        return r.cpu().tolist()
-    if isinstance(r, (list, tuple)):
-        return [_norm(x) for x in r]
-    return r
-
-
 class Case(micro._Case):
     """``micro``'s case (native and baseline in the same state), plus SGLang's
     allocator in that state too when ``with_sglang``."""
@@ -132,7 +122,7 @@ class Case(micro._Case):
 
     def sglang_mismatch(self, r_native=None, r_sglang=None) -> Optional[str]:
         """What differs between native and SGLang after the same call (None: nothing)."""
-        if _norm(r_native) != _norm(r_sglang):
+        if micro.comparable(r_native) != micro.comparable(r_sglang):
             return "returned indices"
         a = (self.native.full_available_size(), self.native.swa_available_size())
         b = (self.sgl.full_available_size(), self.sgl.swa_available_size())
