@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test: the C++ core's unit tests (ctest), the Python suite (pytest), and
 # tests/sglang (SGLang's engine on swa_ext) in .venv-cuda when scripts/setup-sglang.sh
-# has made it; without that venv they are not run and a line says so. Arguments go to pytest. Options alone (--slow for the long fuzzing budgets, -x, -k EXPR,
+# has made it; without that venv they are not run and a line says so.
+# Arguments go to pytest. Options alone (--slow for the long fuzzing budgets, -x, -k EXPR,
 # -m EXPR) apply to the whole run; test paths or node ids (tests/test_cli.py,
 # tests/test_decode.py::test_x) run only those, with pytest, and skip ctest.
 set -euo pipefail
