@@ -137,6 +137,7 @@ struct BatchView {
 struct LastLocCheck {
   PoolView full;
   bool hybrid;
+  bool swa_continuation;  // swa_continues_prefix of the call
   PoolView swa;
   const int64_t* mapping;
   const int64_t* last_loc;  // null when no request has a prefix
@@ -151,7 +152,7 @@ struct LastLocCheck {
       if (report_fault) origin.fail(kLastLocFault, j, last, prefix, static_cast<int64_t>(fault));
       return false;
     }
-    if (!hybrid || !continues_partial_page(prefix, batch.seq(j), full.page)) return true;
+    if (!hybrid || !swa_continuation || !continues_partial_page(prefix, batch.seq(j), full.page)) return true;
     const auto swa_state = [this](int64_t p) { return swa.state_of(p); };
     const int64_t swa_last = mapping[last];
     if (swa_continuation_ok(last, swa_last, swa.page, swa.num_pages, swa_state)) return true;
@@ -225,7 +226,7 @@ enum class ClaimSource : int32_t {
 // Marks a page claimed by the call in progress, or reports why it cannot be freed.
 SWA_HD bool claim_page(const PoolView& pool, int64_t p, bool repeat_ok, const Origin& origin, int64_t entry) {
   const StateWord old = compare_and_swap(&pool.state[p], kHeld, kClaimed);
-  if (old == kHeld || (old == kClaimed && repeat_ok)) return old == kHeld;
+  if (old == kHeld || repeats_a_claim(static_cast<PageState>(old), repeat_ok)) return old == kHeld;
   origin.fail(kClaimRefused, entry, p, old);
   return false;
 }

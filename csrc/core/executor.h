@@ -15,6 +15,8 @@ namespace swa {
 class Executor {
  public:
   virtual ~Executor() = default;
+  // What runs the ops, as the allocator's `kernels` property names it.
+  virtual const char* kernels() const = 0;
   // Zeroed device memory that lives as long as the executor.
   virtual int64_t* allocate(int64_t words) = 0;
   // Host values in device memory, valid for the ops enqueued before the next upload.
@@ -43,6 +45,7 @@ class Executor {
 // Runs the ops on the CPU, one element after another, in host memory.
 class HostExecutor : public Executor {
  public:
+  const char* kernels() const override { return "emulated"; }
   int64_t* allocate(int64_t words) override;
   const int64_t* upload(const std::vector<int64_t>& words) override;
   void copy_to_device(int64_t* dst, const int64_t* src, int64_t words) override;

@@ -128,9 +128,51 @@ enum class GroupOrder { kIndicesFirst, kPageIdsFirst };
 // release by index first.
 constexpr GroupOrder kPoolGroupOrder = GroupOrder::kIndicesFirst;
 constexpr GroupOrder kSwaGroupOrder = GroupOrder::kPageIdsFirst;
+// The two queues of an open group: pages freed by index (free) and by id or segment.
+enum class GroupQueue { kByIndex, kByPage };
+inline GroupQueue first_queue(GroupOrder order) {
+  return order == GroupOrder::kPageIdsFirst ? GroupQueue::kByPage : GroupQueue::kByIndex;
+}
+inline GroupQueue second_queue(GroupOrder order) {
+  return order == GroupOrder::kPageIdsFirst ? GroupQueue::kByIndex : GroupQueue::kByPage;
+}
+// How a call's freed pages are ordered when released: free() of a page pool is one
+// release of its distinct pages in page order; every other free keeps the order it names
+// them in (the token pool's free() included: a slot is a page there).
+enum class ReleaseOrder { kClaimOrder, kPageOrder };
+inline ReleaseOrder release_order(bool by_index, int64_t page_size) {
+  return by_index && page_size > 1 ? ReleaseOrder::kPageOrder : ReleaseOrder::kClaimOrder;
+}
 // At page size 1 a slot is a page: the SWA half of free() / free_swa() frees the
 // mapped slots as a segment (one representative per page) instead of the mapped slots
 // of each page.
 inline bool swa_free_by_segment(int64_t page_size) { return page_size == 1; }
+// An allocation continues each request's SWA pages from the SWA slot its last_loc maps
+// to, but for alloc_extend_swa_tail, whose tail starts on fresh SWA pages.
+inline bool swa_continues_prefix(AllocCall call) { return call != AllocCall::kExtendSwaTail; }
+
+// ---------------------------------------------------------------- window eviction
+
+// A batched eviction (evict_out_of_window) of the requests whose window moved past a
+// page: the due ones in batch order, the first of their pages in the claim list
+// (page_begin, one more entry than requests), and where in the released list each
+// request's pages go. It releases exactly as one free_swa_segment per due request in
+// batch order would: successive prepends put the last request's pages first; staging,
+// appends and a group's queue keep batch order.
+struct EvictionPlan {
+  std::vector<int64_t> row, evicted, page_begin{0}, release_offset;
+  int64_t num_due() const { return static_cast<int64_t>(row.size()); }
+  int64_t total_pages() const { return page_begin.back(); }
+};
+// Checks the host arguments and writes each request's new evicted length (equal to the
+// old one when nothing is due); dest: where the SWA pool releases the pages.
+EvictionPlan plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
+                                  int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
+                                  Destination dest, int64_t* new_evicted);
+
+// ---------------------------------------------------------------- mapping
+
+// set_full_to_swa_mapping pairs its two index lists entry by entry.
+void check_mapping_pairs(int64_t num_full, int64_t num_swa);
 
 }  // namespace swa

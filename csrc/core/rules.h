@@ -42,6 +42,13 @@ SWA_HD Destination release_destination(bool group_open, bool by_index, bool need
   return token_mode ? Destination::kAppend : Destination::kPrepend;
 }
 
+// A free may name a held page; with repeat_ok (free() and free_swa() of a page pool,
+// whose slots stand for their pages) also a page this call or an earlier free() of the
+// open group already names: the group's end frees the union of its free() calls.
+SWA_HD bool repeats_a_claim(PageState state, bool repeat_ok) {
+  return repeat_ok && (state == PageState::kClaimed || state == PageState::kQueuedByIndex);
+}
+
 SWA_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Page arithmetic of one page size on non-negative slots and lengths. Page sizes are

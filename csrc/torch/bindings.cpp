@@ -6,9 +6,10 @@
 #include <cstdlib>
 #include <memory>
 #include <optional>
+#include <type_traits>
 
-#include "../core/device_allocator.h"
-#include "../core/hybrid_allocator.h"
+#include "../core/allocator.h"
+#include "../core/device_store.h"
 #include "docstrings.h"
 #ifdef SWA_EXT_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -136,66 +137,88 @@ std::shared_ptr<swa::Executor> device_executor(const c10::Device& device, const 
 #endif
 }
 
-// One page pool as SGLang's PagedTokenToKVPoolAllocator / TokenToKVPoolAllocator sees it:
-// the CPU core's pool, or a device pool. Pools of a hybrid allocator share its core
-// pool and its guard.
+// One page pool as SGLang's PagedTokenToKVPoolAllocator / TokenToKVPoolAllocator sees it.
+// The pools of a hybrid allocator share its stores and its guard.
 struct PoolHandle {
-  std::shared_ptr<swa::PagePool> pool;
-  std::shared_ptr<swa::DevicePool> device_pool;
+  std::shared_ptr<swa::PoolAllocator> alloc;
   c10::Device device;
   std::shared_ptr<std::atomic<bool>> busy;
   bool debug;
-
-  swa::PagePool state() const { return pool ? *pool : device_pool->snapshot(); }
-  // Reads the pool in place on the CPU; a device pool is read through a snapshot.
-  template <class Read>
-  auto read(const Read& read_pool) const {
-    return pool ? read_pool(*pool) : read_pool(device_pool->snapshot());
-  }
+  swa::PoolStore& store() const { return alloc->store(); }
   void after_change() const {
-    if (!debug) return;
-    if (pool) pool->check_invariants();
-    else device_pool->check_invariants();
+    if (debug) alloc->check_invariants();
   }
 };
+
+PoolHandle make_pool(int64_t size, int64_t page_size, const c10::Device& device, bool need_sort,
+                     const std::string& kernels) {
+  const bool debug = debug_checks_enabled();
+  std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
+  std::shared_ptr<swa::PoolStore> store;
+  if (executor)
+    store = std::make_shared<swa::DevicePool>(std::make_shared<swa::DeviceControl>(executor, 1, debug), 0, size,
+                                              page_size, need_sort);
+  else
+    store = std::make_shared<swa::PagePool>(size, page_size, need_sort);
+  return PoolHandle{std::make_shared<swa::PoolAllocator>(store), device, std::make_shared<std::atomic<bool>>(false),
+                    debug};
+}
 
 struct HybridHandle {
   HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev,
                const std::string& kernels)
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
-    swa::check_hybrid_shape(size, size_swa, page_size);  // before the mapping tensor is sized by them
+    const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size);
     std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
     // One tensor for the allocator's life: serving engines register it with their KV cache.
-    mapping = at::zeros({swa::HybridAllocator::mapping_size(size, page_size)}, at::TensorOptions().dtype(at::kLong).device(device));
+    mapping = at::zeros({mapping_len}, at::TensorOptions().dtype(at::kLong).device(device));
+    int64_t* table = mapping.data_ptr<int64_t>();
+    std::unique_ptr<swa::HybridStore> store;
     if (executor)
-      device_core = std::make_unique<swa::DeviceHybridAllocator>(executor, size, size_swa, page_size, need_sort, debug,
-                                                                 mapping.data_ptr<int64_t>());
+      store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, debug, table,
+                                                       mapping_len);
     else
-      core = std::make_unique<swa::HybridAllocator>(size, size_swa, page_size, need_sort, mapping.data_ptr<int64_t>());
+      store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, table, mapping_len);
+    alloc = std::make_unique<swa::HybridAllocator>(std::move(store));
   }
   void after_change() const {
-    if (!debug) return;
-    if (core) core->check_invariants();
-    else device_core->check_invariants();
+    if (debug) alloc->check_invariants();
   }
-  PoolHandle full_view() const {
-    return core ? PoolHandle{core->full_ptr(), nullptr, device, busy, debug}
-                : PoolHandle{nullptr, device_core->full_ptr(), device, busy, debug};
+  PoolHandle view(const std::shared_ptr<swa::PoolStore>& pool) const {
+    return PoolHandle{std::make_shared<swa::PoolAllocator>(pool), device, busy, debug};
   }
-  PoolHandle swa_view() const {
-    return core ? PoolHandle{core->swa_ptr(), nullptr, device, busy, debug}
-                : PoolHandle{nullptr, device_core->swa_ptr(), device, busy, debug};
-  }
-  int64_t full_size() const { return core ? core->full().size() : device_core->full().size(); }
-  int64_t swa_size() const { return core ? core->swa().size() : device_core->swa().size(); }
 
   c10::Device device;
   at::Tensor mapping;
   std::shared_ptr<std::atomic<bool>> busy;
   bool debug;
-  std::unique_ptr<swa::HybridAllocator> core;                // CPU
-  std::unique_ptr<swa::DeviceHybridAllocator> device_core;  // GPU, or the emulated device algorithm
+  std::unique_ptr<swa::HybridAllocator> alloc;
 };
+
+// Every call that changes an allocator: holds its guard while it runs, then (debug mode)
+// checks its invariants.
+template <class Handle, class Body>
+auto guarded(Handle& h, const Body& body) -> decltype(body()) {
+  UseGuard guard(*h.busy);
+  if constexpr (std::is_void_v<decltype(body())>) {
+    body();
+    h.after_change();
+  } else {
+    auto result = body();
+    h.after_change();
+    return result;
+  }
+}
+
+// An allocation: its indices in a fresh tensor, or None when refused.
+template <class Handle, class Alloc>
+py::object allocation(Handle& h, const Alloc& alloc) {
+  return guarded(h, [&] {
+    TensorOut out(h.device);
+    const bool ok = alloc(out);
+    return result(ok, out);
+  });
+}
 
 swa::BatchLengths extend_batch(const IntArg& prefix, const IntArg& seq) {
   return swa::BatchLengths{prefix.span(), seq.span(), false};
@@ -206,11 +229,37 @@ swa::BatchLengths decode_batch(const IntArg& seq) { return swa::BatchLengths{swa
 // last_loc in the allocator's memory (device memory on a GPU allocator).
 swa::LastLoc last_loc_of(const IntArg& last) { return swa::LastLoc(last.span().data, last.span().size); }
 
-template <class Slot>
-void evict_rows(swa::HybridAllocator& core, const at::Tensor& req_to_token, const IntArg& rows, const IntArg& pre_lens,
-                const IntArg& evicted, int64_t window, int64_t interval, bool prefix_sharing, int64_t* out) {
-  core.evict_out_of_window(req_to_token.data_ptr<Slot>(), req_to_token.size(0), req_to_token.size(1), rows.span(),
-                           pre_lens.span(), evicted.span(), window, interval, prefix_sharing, out);
+// The arguments of alloc_extend / alloc_extend_swa_tail and of alloc_decode, checked and unpacked.
+struct ExtendArgs {
+  IntArg prefix, seq, last;
+  ExtendArgs(const py::object& prefix_lens, const py::object& prefix_lens_cpu, const py::object& seq_lens,
+             const py::object& seq_lens_cpu, const py::object& last_loc, const c10::Device& device)
+      : prefix(lengths_arg("prefix_lens", prefix_lens, "prefix_lens_cpu", prefix_lens_cpu, device)),
+        seq(lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, device)),
+        last(int_arg("last_loc", last_loc, device)) {}
+  swa::BatchLengths batch() const { return extend_batch(prefix, seq); }
+  swa::LastLoc last_loc() const { return last_loc_of(last); }
+};
+
+struct DecodeArgs {
+  IntArg seq, last;
+  DecodeArgs(const py::object& seq_lens, const py::object& seq_lens_cpu, const py::object& last_loc,
+             const c10::Device& device)
+      : seq(lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, device)),
+        last(int_arg("last_loc", last_loc, device)) {}
+  swa::BatchLengths batch() const { return decode_batch(seq); }
+  swa::LastLoc last_loc() const { return last_loc_of(last); }
+};
+
+swa::SlotRows slot_rows(const at::Tensor& req_to_token, const c10::Device& device) {
+  if (req_to_token.dim() != 2 || !req_to_token.is_contiguous())
+    throw py::value_error("req_to_token: expected a contiguous 2-D tensor");
+  if (req_to_token.device() != device) throw py::type_error("req_to_token: expected a tensor on " + device.str());
+  const bool int32 = req_to_token.scalar_type() == at::kInt;
+  if (!int32 && req_to_token.scalar_type() != at::kLong)
+    throw py::type_error("req_to_token: expected an int32 or int64 tensor");
+  return swa::SlotRows{int32 ? req_to_token.data_ptr<int32_t>() : nullptr,
+                       int32 ? nullptr : req_to_token.data_ptr<int64_t>(), req_to_token.size(0), req_to_token.size(1)};
 }
 
 at::Tensor int_tensor(const std::vector<int64_t>& values) { return at::tensor(values, at::kLong); }
@@ -229,144 +278,82 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The cheapest native call over an allocation's arguments: the floor benchmarks compare with.
   m.def("bench_floor", [](const py::args& args) { return args[args.size() - 1]; }, swa_docs::bench_floor);
 
-  py::class_<swa::HybridAllocator::State>(m, "AllocatorState")
-      .def("__eq__", [](const swa::HybridAllocator::State& a, const swa::HybridAllocator::State& b) { return a == b; });
+  py::class_<swa::AllocatorState>(m, "AllocatorState")
+      .def("__eq__", [](const swa::AllocatorState& a, const swa::AllocatorState& b) { return a == b; });
   py::class_<swa::PagePool>(m, "PoolState")
       .def("__eq__", [](const swa::PagePool& a, const swa::PagePool& b) { return a == b; });
 
   py::class_<PoolHandle>(m, "PagePool", swa_docs::pool_class)
       .def(py::init([](int64_t size, int64_t page_size, const py::object& device, bool need_sort, const std::string& kernels) {
-             const c10::Device dev = device_arg(device);
-             const bool debug = debug_checks_enabled();
-             std::shared_ptr<swa::Executor> executor = device_executor(dev, kernels);
-             if (!executor)
-               return PoolHandle{std::make_shared<swa::PagePool>(size, page_size, need_sort), nullptr, dev,
-                                 std::make_shared<std::atomic<bool>>(false), debug};
-             auto control = std::make_shared<swa::DeviceControl>(executor, 1, debug);
-             return PoolHandle{nullptr, std::make_shared<swa::DevicePool>(control, 0, size, page_size, need_sort), dev,
-                               std::make_shared<std::atomic<bool>>(false), debug};
+             return make_pool(size, page_size, device_arg(device), need_sort, kernels);
            }),
            swa_docs::pool_init, py::arg("size"), py::arg("page_size"), py::arg("device"), py::arg("need_sort") = false,
            py::arg("kernels") = "auto")
       // A second handle on the same pool: the pools of a hybrid allocator.
       .def(py::init([](const PoolHandle& shared) { return shared; }), swa_docs::pool_init_shared, py::arg("shared"))
-      .def_property_readonly("page_size", [](const PoolHandle& h) { return h.pool ? h.pool->page_size() : h.device_pool->page_size(); }, swa_docs::pool_page_size)
-      .def_property_readonly("size", [](const PoolHandle& h) { return h.pool ? h.pool->size() : h.device_pool->size(); }, swa_docs::pool_size)
-      .def_property_readonly("size_full", [](const PoolHandle& h) { return h.pool ? h.pool->size() : h.device_pool->size(); }, swa_docs::pool_size_full)
-      .def_property_readonly("num_pages", [](const PoolHandle& h) { return h.pool ? h.pool->num_pages() : h.device_pool->num_pages(); }, swa_docs::pool_num_pages)
-      .def_property_readonly("need_sort", [](const PoolHandle& h) { return h.pool ? h.pool->need_sort() : h.device_pool->need_sort(); }, swa_docs::pool_need_sort)
+      .def_property_readonly("page_size", [](const PoolHandle& h) { return h.store().geometry().size; }, swa_docs::pool_page_size)
+      .def_property_readonly("size", [](const PoolHandle& h) { return h.store().size(); }, swa_docs::pool_size)
+      .def_property_readonly("size_full", [](const PoolHandle& h) { return h.store().size(); }, swa_docs::pool_size_full)
+      .def_property_readonly("num_pages", [](const PoolHandle& h) { return h.store().num_pages(); }, swa_docs::pool_num_pages)
+      .def_property_readonly("need_sort", [](const PoolHandle& h) { return h.store().need_sort(); }, swa_docs::pool_need_sort)
       .def_property_readonly("device", [](const PoolHandle& h) { return h.device; }, swa_docs::pool_device)
-      .def_property_readonly("free_pages", [](const PoolHandle& h) {
-             return h.read([](const swa::PagePool& p) { return int_tensor(p.free_pages()); });
-           }, swa_docs::pool_free_pages)
-      .def_property_readonly("release_pages", [](const PoolHandle& h) {
-             return h.read([](const swa::PagePool& p) { return int_tensor(p.staged_pages()); });
-           }, swa_docs::pool_release_pages)
-      .def_property_readonly("is_not_in_free_group", [](const PoolHandle& h) {
-             return h.pool ? !h.pool->in_free_group() : !h.device_pool->in_free_group();
-           }, swa_docs::pool_is_not_in_free_group)
-      .def("available_size", [](PoolHandle& h) { return h.pool ? h.pool->available_size() : h.device_pool->available_size(); }, swa_docs::pool_available_size)
+      .def_property_readonly("free_pages", [](const PoolHandle& h) { return int_tensor(h.alloc->backup_state().free_list()); },
+                             swa_docs::pool_free_pages)
+      .def_property_readonly("release_pages", [](const PoolHandle& h) { return int_tensor(h.alloc->backup_state().staged_list()); },
+                             swa_docs::pool_release_pages)
+      .def_property_readonly("is_not_in_free_group", [](const PoolHandle& h) { return !h.store().group_open(); },
+                             swa_docs::pool_is_not_in_free_group)
+      .def("available_size", [](PoolHandle& h) { return h.alloc->available_size(); }, swa_docs::pool_available_size)
       .def("alloc", [](PoolHandle& h, int64_t need_size) {
-             UseGuard guard(*h.busy);
-             TensorOut out(h.device);
-             const bool ok = h.pool ? h.pool->alloc(need_size, out) : h.device_pool->alloc(need_size, out);
-             h.after_change();
-             return result(ok, out);
+             return allocation(h, [&](TensorOut& out) { return h.alloc->alloc(need_size, out); });
            }, swa_docs::pool_alloc, py::arg("need_size"))
       .def("alloc_extend", [](PoolHandle& h, const py::object& prefix_lens, const py::object& prefix_lens_cpu,
                               const py::object& seq_lens, const py::object& seq_lens_cpu, const py::object& last_loc,
                               int64_t extend_num_tokens, std::optional<int64_t> num_new_pages) {
-             UseGuard guard(*h.busy);
-             const IntArg pre = lengths_arg("prefix_lens", prefix_lens, "prefix_lens_cpu", prefix_lens_cpu, h.device);
-             const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
-             const IntArg last = int_arg("last_loc", last_loc, h.device);
-             TensorOut out(h.device);
-             const swa::BatchLengths batch = extend_batch(pre, seq);
-             const bool ok = h.pool ? h.pool->alloc_extend(batch, last_loc_of(last), extend_num_tokens, num_new_pages.value_or(-1), out)
-                                    : h.device_pool->alloc_extend(batch, last_loc_of(last),
-                                                                  extend_num_tokens, num_new_pages.value_or(-1), out);
-             h.after_change();
-             return result(ok, out);
+             return allocation(h, [&](TensorOut& out) {
+               const ExtendArgs a(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, h.device);
+               return h.alloc->alloc_extend(a.batch(), a.last_loc(), extend_num_tokens, num_new_pages.value_or(-1), out);
+             });
            }, swa_docs::pool_alloc_extend, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
            py::arg("last_loc"), py::arg("extend_num_tokens"), py::arg("num_new_pages") = py::none())
       .def("alloc_decode", [](PoolHandle& h, const py::object& seq_lens, const py::object& seq_lens_cpu, const py::object& last_loc) {
-             UseGuard guard(*h.busy);
-             const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
-             const IntArg last = int_arg("last_loc", last_loc, h.device);
-             TensorOut out(h.device);
-             const swa::BatchLengths batch = decode_batch(seq);
-             const bool ok = h.pool ? h.pool->alloc_decode(batch, last_loc_of(last), out)
-                                    : h.device_pool->alloc_decode(batch, last_loc_of(last), out);
-             h.after_change();
-             return result(ok, out);
+             return allocation(h, [&](TensorOut& out) {
+               const DecodeArgs a(seq_lens, seq_lens_cpu, last_loc, h.device);
+               return h.alloc->alloc_decode(a.batch(), a.last_loc(), out);
+             });
            }, swa_docs::pool_alloc_decode, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
       .def("free", [](PoolHandle& h, const py::object& free_index) {
-             UseGuard guard(*h.busy);
-             const IntArg idx_arg = int_arg("free_index", free_index, h.device);
-             const swa::Span idx = idx_arg.span();
-             if (h.pool) h.pool->free(idx);
-             else h.device_pool->free(idx.data, idx.size);
-             h.after_change();
+             guarded(h, [&] {
+               const IntArg idx = int_arg("free_index", free_index, h.device);
+               h.alloc->free(idx.span());
+             });
            }, swa_docs::pool_free, py::arg("free_index"))
       .def("free_page_ids", [](PoolHandle& h, const py::object& page_ids) {
-             UseGuard guard(*h.busy);
-             const IntArg pages_arg = int_arg("page_ids", page_ids, h.device);
-             const swa::Span pages = pages_arg.span();
-             if (h.pool) h.pool->free_page_ids(pages);
-             else h.device_pool->free_page_ids(pages.data, pages.size);
-             h.after_change();
+             guarded(h, [&] {
+               const IntArg pages = int_arg("page_ids", page_ids, h.device);
+               h.alloc->free_page_ids(pages.span());
+             });
            }, swa_docs::pool_free_page_ids, py::arg("page_ids"))
       .def("free_segment", [](PoolHandle& h, const py::object& indices, int64_t start_pos) {
-             UseGuard guard(*h.busy);
-             const IntArg idx_arg = int_arg("indices", indices, h.device);
-             const swa::Span idx = idx_arg.span();
-             if (h.pool) h.pool->free_segment(idx, start_pos);
-             else h.device_pool->free_segment(idx.data, idx.size, start_pos);
-             h.after_change();
+             guarded(h, [&] {
+               const IntArg idx = int_arg("indices", indices, h.device);
+               h.alloc->free_segment(idx.span(), start_pos);
+             });
            }, swa_docs::pool_free_segment, py::arg("indices"), py::kw_only(), py::arg("start_pos"))
-      .def("free_group_begin", [](PoolHandle& h) {
-             UseGuard guard(*h.busy);
-             if (h.pool) h.pool->free_group_begin();
-             else h.device_pool->free_group_begin();
-           }, swa_docs::pool_free_group_begin)
-      .def("free_group_end", [](PoolHandle& h) {
-             UseGuard guard(*h.busy);
-             if (h.pool) h.pool->free_group_end();
-             else h.device_pool->free_group_end();
-             h.after_change();
-           }, swa_docs::pool_free_group_end)
-      .def("merge_and_sort_free", [](PoolHandle& h) {
-             UseGuard guard(*h.busy);
-             if (h.pool) h.pool->merge_and_sort_free();
-             else h.device_pool->merge_and_sort_free();
-           }, swa_docs::pool_merge_and_sort_free)
-      .def("clear", [](PoolHandle& h) {
-             UseGuard guard(*h.busy);
-             if (h.pool) return h.pool->clear();
-             h.device_pool->clear();
-             h.device_pool->control().reset();
-           }, swa_docs::pool_clear)
-      .def("resize", [](PoolHandle& h, int64_t size) {
-             UseGuard guard(*h.busy);
-             if (h.pool) return h.pool->resize(size);
-             h.device_pool->resize(size);
-             h.device_pool->control().reset();
-           }, swa_docs::pool_resize, py::arg("size"))
-      .def("debug_print", [](const PoolHandle& h) {
-             return h.read([](const swa::PagePool& p) { return p.debug_string(); });
-           }, swa_docs::pool_debug_print)
-      .def("check_invariants", [](const PoolHandle& h) {
-             h.read([](const swa::PagePool& p) { p.check_invariants(); });
-           }, swa_docs::pool_check_invariants)
-      .def("backup_state", [](const PoolHandle& h) { return h.state(); }, swa_docs::pool_backup_state)
+      .def("free_group_begin", [](PoolHandle& h) { guarded(h, [&] { h.alloc->free_group_begin(); }); },
+           swa_docs::pool_free_group_begin)
+      .def("free_group_end", [](PoolHandle& h) { guarded(h, [&] { h.alloc->free_group_end(); }); },
+           swa_docs::pool_free_group_end)
+      .def("merge_and_sort_free", [](PoolHandle& h) { guarded(h, [&] { h.alloc->merge_and_sort_free(); }); },
+           swa_docs::pool_merge_and_sort_free)
+      .def("clear", [](PoolHandle& h) { guarded(h, [&] { h.alloc->clear(); }); }, swa_docs::pool_clear)
+      .def("resize", [](PoolHandle& h, int64_t size) { guarded(h, [&] { h.alloc->resize(size); }); },
+           swa_docs::pool_resize, py::arg("size"))
+      .def("debug_print", [](const PoolHandle& h) { return h.alloc->debug_string(); }, swa_docs::pool_debug_print)
+      .def("check_invariants", [](const PoolHandle& h) { h.alloc->check_invariants(); }, swa_docs::pool_check_invariants)
+      .def("backup_state", [](const PoolHandle& h) { return h.alloc->backup_state(); }, swa_docs::pool_backup_state)
       .def("restore_state", [](PoolHandle& h, const swa::PagePool& state) {
-             UseGuard guard(*h.busy);
-             const int64_t size = h.pool ? h.pool->size() : h.device_pool->size();
-             const int64_t page_size = h.pool ? h.pool->page_size() : h.device_pool->page_size();
-             swa::check_state_shape("a pool", state.size() == size && state.page_size() == page_size);
-             if (h.pool) return void(*h.pool = state);
-             h.device_pool->restore(state);
-             h.device_pool->control().reset();
+             guarded(h, [&] { h.alloc->restore_state(state); });
            }, swa_docs::pool_restore_state, py::arg("state"));
 
   py::class_<HybridHandle>(m, "HybridAllocator", swa_docs::hybrid_class)
@@ -376,116 +363,84 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            swa_docs::hybrid_init, py::arg("size"), py::arg("size_swa"), py::arg("page_size"), py::arg("device"), py::arg("need_sort"),
            py::arg("kernels") = "auto")
-      .def_property_readonly("page_size", [](const HybridHandle& h) { return h.core ? h.core->page_size() : h.device_core->page_size(); }, swa_docs::hybrid_page_size)
-      .def_property_readonly("size", [](const HybridHandle& h) { return std::min(h.full_size(), h.swa_size()); }, swa_docs::hybrid_size)
-      .def_property_readonly("size_full", [](const HybridHandle& h) { return h.full_size(); }, swa_docs::hybrid_size_full)
-      .def_property_readonly("size_swa", [](const HybridHandle& h) { return h.swa_size(); }, swa_docs::hybrid_size_swa)
-      .def_property_readonly("need_sort", [](const HybridHandle& h) { return h.core ? h.core->full().need_sort() : h.device_core->full().need_sort(); }, swa_docs::hybrid_need_sort)
+      .def_property_readonly("page_size", [](const HybridHandle& h) { return h.alloc->page_size(); }, swa_docs::hybrid_page_size)
+      .def_property_readonly("size", [](const HybridHandle& h) { return std::min(h.alloc->full().size(), h.alloc->swa().size()); },
+                             swa_docs::hybrid_size)
+      .def_property_readonly("size_full", [](const HybridHandle& h) { return h.alloc->full().size(); }, swa_docs::hybrid_size_full)
+      .def_property_readonly("size_swa", [](const HybridHandle& h) { return h.alloc->swa().size(); }, swa_docs::hybrid_size_swa)
+      .def_property_readonly("need_sort", [](const HybridHandle& h) { return h.alloc->full().need_sort(); }, swa_docs::hybrid_need_sort)
       .def_property_readonly("device", [](const HybridHandle& h) { return h.device; }, swa_docs::hybrid_device)
-      .def_property_readonly("kernels", [](const HybridHandle& h) {
-             return h.core ? "cpu" : h.device.is_cpu() ? "emulated" : "cuda";
-           }, swa_docs::hybrid_kernels)
+      .def_property_readonly("kernels", [](const HybridHandle& h) { return h.alloc->store().kernels(); }, swa_docs::hybrid_kernels)
       .def_property_readonly("full_to_swa_index_mapping", [](const HybridHandle& h) { return h.mapping; }, swa_docs::hybrid_full_to_swa_index_mapping)
       // How many times the allocator has waited for the GPU (count read-backs, state snapshots).
-      .def_property_readonly("device_waits", [](const HybridHandle& h) { return h.core ? 0 : h.device_core->control().waits(); }, swa_docs::hybrid_device_waits)
-      .def("_full_pool", [](const HybridHandle& h) { return h.full_view(); })
-      .def("_swa_pool", [](const HybridHandle& h) { return h.swa_view(); })
-      .def("available_size", [](HybridHandle& h) { return h.core ? h.core->available_size() : h.device_core->available_size(); }, swa_docs::hybrid_available_size)
-      .def("full_available_size", [](HybridHandle& h) { return h.core ? h.core->full().available_size() : h.device_core->full().available_size(); }, swa_docs::hybrid_full_available_size)
-      .def("swa_available_size", [](HybridHandle& h) { return h.core ? h.core->swa().available_size() : h.device_core->swa().available_size(); }, swa_docs::hybrid_swa_available_size)
+      .def_property_readonly("device_waits", [](const HybridHandle& h) { return h.alloc->store().device_waits(); }, swa_docs::hybrid_device_waits)
+      .def("_full_pool", [](const HybridHandle& h) { return h.view(h.alloc->store().full_ptr()); })
+      .def("_swa_pool", [](const HybridHandle& h) { return h.view(h.alloc->store().swa_ptr()); })
+      .def("available_size", [](HybridHandle& h) { return h.alloc->available_size(); }, swa_docs::hybrid_available_size)
+      .def("full_available_size", [](HybridHandle& h) { return h.alloc->full_available_size(); }, swa_docs::hybrid_full_available_size)
+      .def("swa_available_size", [](HybridHandle& h) { return h.alloc->swa_available_size(); }, swa_docs::hybrid_swa_available_size)
       .def("new_pages_available", [](HybridHandle& h, int64_t num_full_pages, int64_t num_swa_pages) {
-             return h.core ? h.core->new_pages_available(num_full_pages, num_swa_pages)
-                           : h.device_core->new_pages_available(num_full_pages, num_swa_pages);
+             return h.alloc->new_pages_available(num_full_pages, num_swa_pages);
            }, swa_docs::hybrid_new_pages_available, py::arg("num_full_pages"), py::arg("num_swa_pages"))
       .def("alloc", [](HybridHandle& h, int64_t need_size) {
-             UseGuard guard(*h.busy);
-             TensorOut out(h.device);
-             const bool ok = h.core ? h.core->alloc(need_size, out) : h.device_core->alloc(need_size, out);
-             h.after_change();
-             return result(ok, out);
+             return allocation(h, [&](TensorOut& out) { return h.alloc->alloc(need_size, out); });
            }, swa_docs::hybrid_alloc, py::arg("need_size"))
       .def("alloc_extend", [](HybridHandle& h, const py::object& prefix_lens, const py::object& prefix_lens_cpu,
                               const py::object& seq_lens, const py::object& seq_lens_cpu, const py::object& last_loc,
                               int64_t extend_num_tokens) {
-             UseGuard guard(*h.busy);
-             const IntArg pre = lengths_arg("prefix_lens", prefix_lens, "prefix_lens_cpu", prefix_lens_cpu, h.device);
-             const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
-             const IntArg last = int_arg("last_loc", last_loc, h.device);
-             TensorOut out(h.device);
-             const swa::BatchLengths batch = extend_batch(pre, seq);
-             const bool ok = h.core ? h.core->alloc_extend(batch, last_loc_of(last), extend_num_tokens, out)
-                                    : h.device_core->alloc_extend(batch, last_loc_of(last),
-                                                                  extend_num_tokens, out);
-             h.after_change();
-             return result(ok, out);
+             return allocation(h, [&](TensorOut& out) {
+               const ExtendArgs a(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, h.device);
+               return h.alloc->alloc_extend(a.batch(), a.last_loc(), extend_num_tokens, out);
+             });
            }, swa_docs::hybrid_alloc_extend, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
            py::arg("last_loc"), py::arg("extend_num_tokens"))
       .def("alloc_extend_swa_tail", [](HybridHandle& h, const py::object& prefix_lens, const py::object& prefix_lens_cpu,
                                        const py::object& seq_lens, const py::object& seq_lens_cpu,
                                        const py::object& last_loc, int64_t extend_num_tokens, int64_t swa_tail_len) {
-             UseGuard guard(*h.busy);
-             const IntArg pre = lengths_arg("prefix_lens", prefix_lens, "prefix_lens_cpu", prefix_lens_cpu, h.device);
-             const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
-             const IntArg last = int_arg("last_loc", last_loc, h.device);
-             TensorOut out(h.device);
-             const swa::BatchLengths batch = extend_batch(pre, seq);
-             const bool ok = h.core ? h.core->alloc_extend_swa_tail(batch, last_loc_of(last), extend_num_tokens, swa_tail_len, out)
-                                    : h.device_core->alloc_extend_swa_tail(batch, last_loc_of(last),
-                                                                           extend_num_tokens, swa_tail_len, out);
-             h.after_change();
-             return result(ok, out);
+             return allocation(h, [&](TensorOut& out) {
+               const ExtendArgs a(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, h.device);
+               return h.alloc->alloc_extend_swa_tail(a.batch(), a.last_loc(), extend_num_tokens, swa_tail_len, out);
+             });
            }, swa_docs::hybrid_alloc_extend_swa_tail, py::arg("prefix_lens"), py::arg("prefix_lens_cpu"), py::arg("seq_lens"), py::arg("seq_lens_cpu"),
            py::arg("last_loc"), py::arg("extend_num_tokens"), py::arg("swa_tail_len"))
       .def("alloc_decode", [](HybridHandle& h, const py::object& seq_lens, const py::object& seq_lens_cpu, const py::object& last_loc) {
-             UseGuard guard(*h.busy);
-             const IntArg seq = lengths_arg("seq_lens", seq_lens, "seq_lens_cpu", seq_lens_cpu, h.device);
-             const IntArg last = int_arg("last_loc", last_loc, h.device);
-             TensorOut out(h.device);
-             const swa::BatchLengths batch = decode_batch(seq);
-             const bool ok = h.core ? h.core->alloc_decode(batch, last_loc_of(last), out)
-                                    : h.device_core->alloc_decode(batch, last_loc_of(last), out);
-             h.after_change();
-             return result(ok, out);
+             return allocation(h, [&](TensorOut& out) {
+               const DecodeArgs a(seq_lens, seq_lens_cpu, last_loc, h.device);
+               return h.alloc->alloc_decode(a.batch(), a.last_loc(), out);
+             });
            }, swa_docs::hybrid_alloc_decode, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
       .def("translate_loc_from_full_to_swa", [](HybridHandle& h, const py::object& kv_indices) {
              const IntArg idx = int_arg("kv_indices", kv_indices, h.device);
              at::Tensor out = empty_indices(idx.tensor.numel(), h.device);
-             if (h.core) h.core->translate(idx.span(), out.data_ptr<int64_t>());
-             else h.device_core->translate(idx.span().data, idx.span().size, out.data_ptr<int64_t>());
+             h.alloc->translate(idx.span(), out.data_ptr<int64_t>());
              return out;
            }, swa_docs::hybrid_translate_loc_from_full_to_swa, py::arg("kv_indices"))
       .def("set_full_to_swa_mapping", [](HybridHandle& h, const py::object& full_indices, const py::object& swa_indices) {
-             UseGuard guard(*h.busy);
-             const IntArg full_arg = int_arg("full_indices", full_indices, h.device);
-             const swa::Span full = full_arg.span();
-             const IntArg swa_arg = int_arg("swa_indices", swa_indices, h.device);
-             if (h.core) h.core->set_mapping(full, swa_arg.span());
-             else h.device_core->set_mapping(full.data, full.size, swa_arg.span().data, swa_arg.span().size);
+             guarded(h, [&] {
+               const IntArg full = int_arg("full_indices", full_indices, h.device);
+               const IntArg swa_slots = int_arg("swa_indices", swa_indices, h.device);
+               h.alloc->set_mapping(full.span(), swa_slots.span());
+             });
            }, swa_docs::hybrid_set_full_to_swa_mapping, py::arg("full_indices"), py::arg("swa_indices"))
       .def("clear_full_to_swa_mapping", [](HybridHandle& h, const py::object& full_indices) {
-             UseGuard guard(*h.busy);
-             const IntArg full_arg = int_arg("full_indices", full_indices, h.device);
-             const swa::Span full = full_arg.span();
-             if (h.core) h.core->clear_mapping(full);
-             else h.device_core->clear_mapping(full.data, full.size);
+             guarded(h, [&] {
+               const IntArg full = int_arg("full_indices", full_indices, h.device);
+               h.alloc->clear_mapping(full.span());
+             });
            }, swa_docs::hybrid_clear_full_to_swa_mapping, py::arg("full_indices"))
-#define SWA_EXT_FREE(name, arg_name)                                                                 \
-  .def(#name, [](HybridHandle& h, const py::object& indices) {                                   \
-        UseGuard guard(*h.busy);                                                                  \
-        const IntArg idx_arg = int_arg(arg_name, indices, h.device);                              \
-        const swa::Span idx = idx_arg.span();                                                     \
-        if (h.core) h.core->name(idx);                                                            \
-        else h.device_core->name(idx.data, idx.size);                                             \
-        h.after_change();                                                                         \
+#define SWA_EXT_FREE(name, arg_name)                                            \
+  .def(#name, [](HybridHandle& h, const py::object& indices) {                 \
+        guarded(h, [&] {                                                        \
+          const IntArg idx = int_arg(arg_name, indices, h.device);              \
+          h.alloc->name(idx.span());                                            \
+        });                                                                     \
       }, swa_docs::hybrid_##name, py::arg(arg_name))
-#define SWA_EXT_FREE_SEGMENT(name)                                                                \
-  .def(#name, [](HybridHandle& h, const py::object& indices, int64_t start_pos) {                \
-        UseGuard guard(*h.busy);                                                                  \
-        const IntArg idx_arg = int_arg("indices", indices, h.device);                             \
-        const swa::Span idx = idx_arg.span();                                                     \
-        if (h.core) h.core->name(idx, start_pos);                                                 \
-        else h.device_core->name(idx.data, idx.size, start_pos);                                  \
-        h.after_change();                                                                         \
+#define SWA_EXT_FREE_SEGMENT(name)                                              \
+  .def(#name, [](HybridHandle& h, const py::object& indices, int64_t start_pos) { \
+        guarded(h, [&] {                                                        \
+          const IntArg idx = int_arg("indices", indices, h.device);             \
+          h.alloc->name(idx.span(), start_pos);                                 \
+        });                                                                     \
       }, swa_docs::hybrid_##name, py::arg("indices"), py::kw_only(), py::arg("start_pos"))
       SWA_EXT_FREE(free, "free_index")
       SWA_EXT_FREE(free_swa, "free_index")
@@ -495,72 +450,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       SWA_EXT_FREE_SEGMENT(free_full_segment)
 #undef SWA_EXT_FREE
 #undef SWA_EXT_FREE_SEGMENT
-      .def("free_group_begin", [](HybridHandle& h) {
-             UseGuard guard(*h.busy);
-             if (h.core) h.core->free_group_begin();
-             else h.device_core->free_group_begin();
-           }, swa_docs::hybrid_free_group_begin)
-      .def("free_group_end", [](HybridHandle& h) {
-             UseGuard guard(*h.busy);
-             if (h.core) h.core->free_group_end();
-             else h.device_core->free_group_end();
-             h.after_change();
-           }, swa_docs::hybrid_free_group_end)
+      .def("free_group_begin", [](HybridHandle& h) { guarded(h, [&] { h.alloc->free_group_begin(); }); },
+           swa_docs::hybrid_free_group_begin)
+      .def("free_group_end", [](HybridHandle& h) { guarded(h, [&] { h.alloc->free_group_end(); }); },
+           swa_docs::hybrid_free_group_end)
       .def("evict_out_of_window", [](HybridHandle& h, const at::Tensor& req_to_token, const py::object& rows,
                                      const py::object& pre_lens, const py::object& evicted_seqlens, int64_t window,
                                      int64_t interval, bool prefix_sharing) {
-             UseGuard guard(*h.busy);
-             if (req_to_token.dim() != 2 || !req_to_token.is_contiguous())
-               throw py::value_error("req_to_token: expected a contiguous 2-D tensor");
-             if (req_to_token.device() != h.device)
-               throw py::type_error("req_to_token: expected a tensor on " + h.device.str());
-             const bool int32 = req_to_token.scalar_type() == at::kInt;
-             if (!int32 && req_to_token.scalar_type() != at::kLong)
-               throw py::type_error("req_to_token: expected an int32 or int64 tensor");
-             const c10::Device cpu(c10::kCPU);
-             const IntArg row_ids = int_arg("rows", rows, cpu), pre = int_arg("pre_lens", pre_lens, cpu);
-             const IntArg evicted = int_arg("evicted_seqlens", evicted_seqlens, cpu);
-             at::Tensor out = empty_indices(row_ids.tensor.numel(), cpu);
-             int64_t* out_ptr = out.data_ptr<int64_t>();
-             if (h.device_core) {
-               h.device_core->evict_out_of_window(int32 ? req_to_token.data_ptr<int32_t>() : nullptr,
-                                                  int32 ? nullptr : req_to_token.data_ptr<int64_t>(),
-                                                  req_to_token.size(0), req_to_token.size(1), row_ids.span(),
-                                                  pre.span(), evicted.span(), window, interval, prefix_sharing, out_ptr);
-             } else if (int32) {
-               evict_rows<int32_t>(*h.core, req_to_token, row_ids, pre, evicted, window, interval, prefix_sharing, out_ptr);
-             } else {
-               evict_rows<int64_t>(*h.core, req_to_token, row_ids, pre, evicted, window, interval, prefix_sharing, out_ptr);
-             }
-             h.after_change();
-             return out;
+             return guarded(h, [&] {
+               const swa::SlotRows table = slot_rows(req_to_token, h.device);
+               const c10::Device cpu(c10::kCPU);
+               const IntArg row_ids = int_arg("rows", rows, cpu), pre = int_arg("pre_lens", pre_lens, cpu);
+               const IntArg evicted = int_arg("evicted_seqlens", evicted_seqlens, cpu);
+               at::Tensor out = empty_indices(row_ids.tensor.numel(), cpu);
+               h.alloc->evict_out_of_window(table, row_ids.span(), pre.span(), evicted.span(), window, interval,
+                                            prefix_sharing, out.data_ptr<int64_t>());
+               return out;
+             });
            }, swa_docs::hybrid_evict_out_of_window, py::arg("req_to_token"), py::arg("rows"), py::arg("pre_lens"), py::arg("evicted_seqlens"),
            py::arg("window"), py::arg("interval") = 1, py::arg("prefix_sharing") = false)
-      .def("clear", [](HybridHandle& h) {
-             UseGuard guard(*h.busy);
-             if (h.core) h.core->clear();
-             else h.device_core->clear();
-           }, swa_docs::hybrid_clear)
+      .def("clear", [](HybridHandle& h) { guarded(h, [&] { h.alloc->clear(); }); }, swa_docs::hybrid_clear)
       .def("resize", [](HybridHandle& h, int64_t size, int64_t size_swa) {
-             UseGuard guard(*h.busy);
-             if (h.core) h.core->resize(size, size_swa);
-             else h.device_core->resize(size, size_swa);
-             h.after_change();
+             guarded(h, [&] { h.alloc->resize(size, size_swa); });
            }, swa_docs::hybrid_resize, py::arg("size"), py::arg("size_swa"))
       // Waits for the device and raises an error its checks found since the last wait
       // (DeferredError); nothing to do on the CPU, whose calls raise at once.
-      .def("check_device_errors", [](HybridHandle& h) {
-             if (h.device_core) h.device_core->control().raise_found_errors();
-           }, swa_docs::hybrid_check_device_errors)
-      .def("debug_print", [](HybridHandle& h) { return h.core ? h.core->debug_string() : h.device_core->debug_string(); }, swa_docs::hybrid_debug_print)
-      .def("check_invariants", [](HybridHandle& h) {
-             if (h.core) h.core->check_invariants();
-             else h.device_core->check_invariants();
-           }, swa_docs::hybrid_check_invariants)
-      .def("backup_state", [](HybridHandle& h) { return h.core ? h.core->backup_state() : h.device_core->backup_state(); }, swa_docs::hybrid_backup_state)
-      .def("restore_state", [](HybridHandle& h, const swa::HybridAllocator::State& state) {
-             UseGuard guard(*h.busy);
-             if (h.core) h.core->restore_state(state);
-             else h.device_core->restore_state(state);
+      .def("check_device_errors", [](HybridHandle& h) { h.alloc->store().raise_found_errors(); },
+           swa_docs::hybrid_check_device_errors)
+      .def("debug_print", [](HybridHandle& h) { return h.alloc->debug_string(); }, swa_docs::hybrid_debug_print)
+      .def("check_invariants", [](HybridHandle& h) { h.alloc->check_invariants(); }, swa_docs::hybrid_check_invariants)
+      .def("backup_state", [](HybridHandle& h) { return h.alloc->backup_state(); }, swa_docs::hybrid_backup_state)
+      .def("restore_state", [](HybridHandle& h, const swa::AllocatorState& state) {
+             guarded(h, [&] { h.alloc->restore_state(state); });
            }, swa_docs::hybrid_restore_state, py::arg("state"));
 }

@@ -33,6 +33,7 @@ class CudaExecutor : public Executor {
   // The pinned read-back buffer goes back to torch's host allocator, which does not
   // know of our copy into it: let a copy in flight land first.
   ~CudaExecutor() override { readback_done_.synchronize(); }
+  const char* kernels() const override { return "cuda"; }
 
   int64_t* allocate(int64_t words) override {
     c10::cuda::CUDAGuard guard(device_);

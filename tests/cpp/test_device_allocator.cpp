@@ -4,7 +4,8 @@
 #include <memory>
 #include <vector>
 
-#include "device_allocator.h"
+#include "allocator.h"
+#include "device_store.h"
 
 using namespace swa;
 using V = std::vector<int64_t>;
@@ -16,12 +17,16 @@ struct Pair {
   V cpu_mapping, dev_mapping;
   HybridAllocator cpu;
   std::shared_ptr<HostExecutor> exec = std::make_shared<HostExecutor>();
-  DeviceHybridAllocator dev;
+  DeviceHybridStore* dev_store;
+  HybridAllocator dev;
   Pair(int64_t size, int64_t size_swa, int64_t ps, bool need_sort, bool debug = false)
-      : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, ps))),
+      : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps))),
         dev_mapping(cpu_mapping.size()),
-        cpu(size, size_swa, ps, need_sort, cpu_mapping.data()),
-        dev(exec, size, size_swa, ps, need_sort, debug, dev_mapping.data()) {}
+        cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, cpu_mapping.data(), len())),
+        dev_store(new DeviceHybridStore(exec, size, size_swa, ps, need_sort, debug, dev_mapping.data(), len())),
+        dev(std::unique_ptr<HybridStore>(dev_store)) {}
+  int64_t len() const { return static_cast<int64_t>(cpu_mapping.size()); }
+  DeviceControl& control() { return dev_store->control(); }
 
   V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {
     VectorOut a, b;
@@ -60,51 +65,51 @@ TEST(DeviceAllocator, LifecycleMatchesTheCpuCore) {
     p.expect_same();
     // Window eviction of the first request's first page, then its whole release.
     p.cpu.free_swa_segment(slice(slots, 0, 16), 0);
-    p.dev.free_swa_segment(slots.data(), 16, 0);
+    p.dev.free_swa_segment(Span(slots.data(), 16), 0);
     p.expect_same();
     p.cpu.free_group_begin();
     p.dev.free_group_begin();
     const V rest = slice(slots, 16, 37);
     p.cpu.free_segment(rest, 16);
-    p.dev.free_segment(rest.data(), static_cast<int64_t>(rest.size()), 16);
+    p.dev.free_segment(rest, 16);
     const V second = slice(slots, 37, 53);
     p.cpu.free(second);
-    p.dev.free(second.data(), static_cast<int64_t>(second.size()));
+    p.dev.free(second);
     p.cpu.free_group_end();
     p.dev.free_group_end();
     p.expect_same();
     p.cpu.free_full(slice(slots, 0, 16));
-    p.dev.free_full(slots.data(), 16);
+    p.dev.free_full(Span(slots.data(), 16));
     // The last two requests (the first one's decode slot went with its segment).
     V last = slice(slots, 53, 58);
     last.push_back(step[1]);
     last.push_back(step[2]);
     p.cpu.free(last);
-    p.dev.free(last.data(), static_cast<int64_t>(last.size()));
+    p.dev.free(last);
     p.expect_same();
-    EXPECT_EQ(p.dev.full().available_size(), 40 * 16);
-    EXPECT_EQ(p.dev.swa().available_size(), 24 * 16);
+    EXPECT_EQ(p.dev.full_available_size(), 40 * 16);
+    EXPECT_EQ(p.dev.swa_available_size(), 24 * 16);
   }
 }
 
 TEST(DeviceAllocator, AFreesCountIsReadBackOnceByTheNextCallThatNeedsIt) {
   Pair p(32 * 16, 16 * 16, 16, false);
   const V slots = p.extend({0}, {40}, {-1}, 40);
-  const int64_t waits = p.dev.control().waits();
-  p.dev.free(slots.data(), static_cast<int64_t>(slots.size()));  // 3 pages, known only to the device
-  EXPECT_EQ(p.dev.control().waits(), waits);
+  const int64_t waits = p.control().waits();
+  p.dev.free(slots);  // 3 pages, known only to the device
+  EXPECT_EQ(p.control().waits(), waits);
   EXPECT_EQ(p.dev.available_size(), 16 * 16);
-  EXPECT_EQ(p.dev.control().waits(), waits + 1);
+  EXPECT_EQ(p.control().waits(), waits + 1);
   EXPECT_TRUE(p.dev.new_pages_available(32, 16));
-  EXPECT_EQ(p.dev.control().waits(), waits + 1);
+  EXPECT_EQ(p.control().waits(), waits + 1);
 }
 
 TEST(DeviceAllocator, DebugModeRejectsADoubleFreeBeforeAnythingChanges) {
   Pair p(32 * 4, 16 * 4, 4, false, /*debug=*/true);
   const V slots = p.extend({0}, {10}, {-1}, 10);
-  p.dev.free_segment(slots.data(), 4, 0);
-  const HybridAllocator::State before = p.dev.backup_state();
-  EXPECT_THROW(p.dev.free_segment(slots.data(), 8, 0), ArgumentError);  // its first page is free already
+  p.dev.free_segment(Span(slots.data(), 4), 0);
+  const AllocatorState before = p.dev.backup_state();
+  EXPECT_THROW(p.dev.free_segment(Span(slots.data(), 8), 0), ArgumentError);  // its first page is free already
   EXPECT_TRUE(p.dev.backup_state() == before);
   p.dev.check_invariants();
 }
@@ -112,13 +117,50 @@ TEST(DeviceAllocator, DebugModeRejectsADoubleFreeBeforeAnythingChanges) {
 TEST(DeviceAllocator, WithoutDebugABadCallIsReportedLaterUntilClear) {
   Pair p(32 * 4, 16 * 4, 4, false);
   const V slots = p.extend({0}, {8}, {-1}, 8);
-  p.dev.free_segment(slots.data(), 8, 0);
-  p.dev.free_segment(slots.data(), 8, 0);  // double free: found by the ops, reported later
-  EXPECT_THROW(p.dev.control().raise_found_errors(), DeferredError);
+  p.dev.free_segment(Span(slots.data(), 8), 0);
+  p.dev.free_segment(Span(slots.data(), 8), 0);  // double free: found by the ops, reported later
+  EXPECT_THROW(p.control().raise_found_errors(), DeferredError);
   VectorOut out;
   EXPECT_THROW(p.dev.alloc(4, out), DeferredError);
   p.dev.clear();
   ASSERT_TRUE(p.dev.alloc(4, out));
   EXPECT_EQ(out.values, (V{4, 5, 6, 7}));
   p.dev.check_invariants();
+}
+
+TEST(DeviceAllocator, AFreeGroupFreesTheUnionOfItsFreeCalls) {
+  Pair p(32 * 16, 16 * 16, 16, false, /*debug=*/true);
+  const V slots = p.extend({0}, {40}, {-1}, 40);
+  p.cpu.free_group_begin();
+  p.dev.free_group_begin();
+  // Two free() calls naming slots of the same pages (SGLang frees the union at the end).
+  const V first = slice(slots, 0, 20), second = slice(slots, 10, 40);
+  for (const V* part : {&first, &second}) {
+    p.cpu.free(*part);
+    p.dev.free(*part);
+  }
+  p.cpu.free_group_end();
+  p.dev.free_group_end();
+  p.expect_same();
+  EXPECT_EQ(p.dev.available_size(), 16 * 16);
+}
+
+TEST(DeviceAllocator, BatchedEvictionReleasesAsOneSegmentFreePerRequest) {
+  for (const bool need_sort : {false, true}) {
+    const int64_t ps = 4, row_len = 64;
+    Pair p(128 * ps, 128 * ps, ps, need_sort);
+    V req_to_token(static_cast<size_t>(3 * row_len));
+    const V lens{40, 10, 33};
+    for (int64_t r = 0; r < 3; ++r) {
+      const V slots = p.extend({0}, {lens[r]}, {-1}, lens[r]);
+      std::copy(slots.begin(), slots.end(), req_to_token.begin() + r * row_len);
+    }
+    const V rows{2, 0, 1}, pre{33, 40, 10}, evicted{0, 8, 0};
+    V cpu_next(3), dev_next(3);
+    const SlotRows table{nullptr, req_to_token.data(), 3, row_len};
+    p.cpu.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, cpu_next.data());
+    p.dev.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, dev_next.data());
+    EXPECT_EQ(cpu_next, dev_next);
+    p.expect_same();
+  }
 }

@@ -1,20 +1,23 @@
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <vector>
 
-#include "hybrid_allocator.h"
+#include "allocator.h"
 
 using namespace swa;
 using V = std::vector<int64_t>;
 
 namespace {
 
+// A hybrid allocator on the host store.
 struct Fixture {
   V mapping;
   HybridAllocator alloc;
   Fixture(int64_t size, int64_t size_swa, int64_t ps, bool need_sort = false)
-      : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, ps))),
-        alloc(size, size_swa, ps, need_sort, mapping.data()) {}
+      : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps))),
+        alloc(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, mapping.data(),
+                                                static_cast<int64_t>(mapping.size()))) {}
 
   V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {
     VectorOut out;
@@ -36,7 +39,7 @@ TEST(Hybrid, ExtendMapsEveryFullSlotToAnSwaSlot) {
   ASSERT_EQ(slots.size(), 25u);
   for (int64_t slot : slots) EXPECT_GT(f.mapping[slot], 0);
   EXPECT_EQ(f.mapping.back(), -1);
-  EXPECT_EQ(f.alloc.full().available_size(), 256 - 48);
+  EXPECT_EQ(f.alloc.full_available_size(), 256 - 48);
   f.alloc.check_invariants();
 }
 
@@ -54,7 +57,7 @@ TEST(Hybrid, SwaTailLeavesTheHeadUnmapped) {
   const V prefix{0}, seq{68}, last{-1};
   ASSERT_TRUE(f.alloc.alloc_extend_swa_tail(BatchLengths{prefix, seq, false}, last, 68, 52, out));
   for (int64_t i = 0; i < 68; ++i) EXPECT_EQ(f.mapping[out.values[i]] > 0, i >= 16) << i;
-  EXPECT_EQ(f.alloc.swa().available_size(), 128 - 64);
+  EXPECT_EQ(f.alloc.swa_available_size(), 128 - 64);
   EXPECT_THROW(f.alloc.free_swa_segment(V(out.values.begin(), out.values.begin() + 16), 0), ArgumentError);
   f.alloc.check_invariants();
 }
@@ -81,7 +84,8 @@ TEST(Hybrid, BatchedEvictionMatchesOneSegmentFreeAtATime) {
   }
   const V rows{2, 0, 1}, pre{33, 40, 10}, evicted{0, 8, 0};
   V next(3);
-  batched.alloc.evict_out_of_window(req_to_token.data(), 3, row_len, rows, pre, evicted, window, 1, false, next.data());
+  batched.alloc.evict_out_of_window(SlotRows{nullptr, req_to_token.data(), 3, row_len}, rows, pre, evicted, window, 1,
+                                    false, next.data());
   EXPECT_EQ(next, (V{24, 32, 0}));
   for (size_t j = 0; j < rows.size(); ++j) {
     if (next[j] == evicted[j]) continue;

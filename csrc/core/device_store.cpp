@@ -1,0 +1,597 @@
+#include "device_store.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace swa {
+
+namespace {
+
+const char* const kCallNames[] = {
+    "alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail", "free", "free_swa", "free_full",
+    "free_segment", "free_swa_segment", "free_full_segment", "free_page_ids", "evict_out_of_window",
+    "translate_loc_from_full_to_swa", "set_full_to_swa_mapping", "clear_full_to_swa_mapping",
+};
+const char* const kArgNames[] = {"last_loc", "indices", "page_ids", "req_to_token", "kv_indices", "full_indices",
+                                 "swa_indices"};
+
+const char* name_of(const char* const* names, size_t count, int64_t id) {
+  return id >= 0 && static_cast<size_t>(id) < count ? names[id] : "?";
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- DeviceControl
+
+DeviceControl::DeviceControl(std::shared_ptr<Executor> executor, int num_pools, bool debug)
+    : executor_(std::move(executor)), num_pools_(num_pools), debug_(debug) {
+  words_ = executor_->allocate(dev::kErrWords + 2 * dev::kCtlWords * num_pools_);
+}
+
+void DeviceControl::check_usable() const {
+  if (!poisoned_.empty()) throw DeferredError(poisoned_);
+}
+
+void DeviceControl::start_count_readback() {
+  for (DevicePool* pool : pools_) pool->count_readback_started();
+  executor_->start_readback(words_, dev::kErrWords + 2 * dev::kCtlWords * num_pools_);
+  readback_pending_ = true;
+}
+
+const int64_t* DeviceControl::finish_pending_readback() {
+  if (!readback_pending_) return nullptr;
+  readback_pending_ = false;
+  const int64_t* record = executor_->finish_readback();
+  for (DevicePool* pool : pools_) pool->count_readback_finished(record);
+  return record;
+}
+
+void DeviceControl::resolve_counts() {
+  const int64_t* record = finish_pending_readback();
+  if (record != nullptr && record[dev::kErrCode] != dev::kNoError) poison(describe(record));
+  check_usable();
+}
+
+std::string DeviceControl::take_error() {
+  int64_t record[dev::kErrWords];
+  executor_->copy_to_host(record, words_, dev::kErrWords);
+  if (record[dev::kErrCode] == dev::kNoError) return {};
+  clear_error_record();
+  return describe(record);
+}
+
+void DeviceControl::clear_error_record() {
+  const int64_t zeros[dev::kErrWords] = {};
+  executor_->copy_to_device(words_, zeros, dev::kErrWords);
+}
+
+void DeviceControl::check_now() {
+  if (!debug_) return;
+  const std::string message = take_error();
+  if (!message.empty()) throw ArgumentError(message);
+}
+
+void DeviceControl::launch_claims() {
+  for (const std::function<void()>& launch : deferred_claims_) launch();
+  deferred_claims_.clear();
+  claims_unconfirmed_ = true;
+  check_now();
+  claims_unconfirmed_ = false;
+}
+
+bool DeviceControl::drop_claims() {
+  deferred_claims_.clear();
+  const bool launched = claims_unconfirmed_;
+  claims_unconfirmed_ = false;
+  return launched;
+}
+
+void DeviceControl::raise_found_errors() {
+  check_usable();
+  const std::string message = take_error();
+  if (!message.empty()) poison(message);
+  check_usable();
+}
+
+void DeviceControl::poison(const std::string& message) {
+  poisoned_ = message +
+              " (found on the device after the call returned; the allocator refuses every call until clear() or "
+              "restore_state(); SWA_EXT_DEBUG=1 checks each call before it changes anything)";
+}
+
+void DeviceControl::reset() {
+  finish_pending_readback();  // the pools just reset ignore it; any other pool still needs it
+  clear_error_record();
+  poisoned_.clear();
+}
+
+std::string DeviceControl::describe(const int64_t* r) const {
+  const int64_t entry = r[dev::kErrEntry], value = r[dev::kErrValue], detail = r[dev::kErrDetail];
+  const DevicePool& full = *pools_.front();  // last_loc always lies in the first pool
+  std::ostringstream m;
+  switch (r[dev::kErrCode]) {
+    case dev::kLastLocFault:
+      m << last_loc_fault_message(static_cast<LastLocFault>(r[dev::kErrKind]), entry, value, detail, full.geometry(),
+                                  full.num_pages());
+      break;
+    case dev::kSwaContinuation:
+      m << swa_continuation_message(entry, value, detail);
+      break;
+    case dev::kTranslateRange:
+      m << untranslatable_message(entry, value, detail);
+      break;
+    default:
+      m << name_of(kArgNames, std::size(kArgNames), r[dev::kErrArg]) << ": ";
+      switch (r[dev::kErrCode]) {
+        case dev::kSlotOutOfPool:
+          m << "entry " << entry << ": index " << value << " is outside the pool's slots (page 0 is the padding page)";
+          break;
+        case dev::kPageIdOutOfPool:
+          m << "entry " << entry << ": page id " << value << " is outside the pool (page 0 is the padding page)";
+          break;
+        case dev::kClaimRefused:
+          m << "page " << value << claim_refusal(static_cast<PageState>(detail));
+          break;
+        case dev::kUnmapped:
+          m << "full slot " << value << kUnmappedRefusal;
+          break;
+        default:
+          m << "error " << r[dev::kErrCode];
+      }
+  }
+  m << " [in " << name_of(kCallNames, std::size(kCallNames), r[dev::kErrCall]) << "]";
+  return m.str();
+}
+
+// ---------------------------------------------------------------- DevicePool
+
+DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t size, int64_t page_size,
+                       bool need_sort)
+    : control_(std::move(control)), slot_(slot), size_(size), num_pages_(0), capacity_(size), page_(page_size),
+      need_sort_(need_sort) {
+  check_pool_shape("size", size, page_size);
+  num_pages_ = size / page_size;
+  Executor& exec = control_->exec();
+  ring_ = exec.allocate(num_pages_);
+  staged_ = exec.allocate(num_pages_);
+  group_index_ = exec.allocate(num_pages_);
+  group_pages_ = exec.allocate(num_pages_);
+  list_ = exec.allocate(num_pages_);
+  selected_ = exec.allocate(num_pages_);
+  selected_count_ = exec.allocate(1);
+  state_ = reinterpret_cast<dev::StateWord*>(exec.allocate((num_pages_ + 2) / 2));
+  control_->attach(this);
+  reset_pool();
+}
+
+dev::PoolView DevicePool::view() {
+  int64_t* ctl = control_->ctl(slot_);
+  return dev::PoolView{num_pages_, page_, ring_, staged_, group_index_, group_pages_, state_,
+                       ctl + parity_ * dev::kCtlWords, ctl + (1 - parity_) * dev::kCtlWords};
+}
+
+int64_t DevicePool::free_pages() {
+  if (base_unknown_) control_->resolve_counts();
+  return free_count_;
+}
+
+int64_t DevicePool::staged_pages() {
+  if (base_unknown_) control_->resolve_counts();
+  return staged_count_;
+}
+
+void DevicePool::set_group_open(bool open) {
+  group_open_ = open;
+  if (open) group_has_index_frees_ = false;
+}
+
+void DevicePool::count_readback_finished(const int64_t* record) {
+  if (!base_unknown_) return;
+  const int64_t* ctl = record + dev::kErrWords + 2 * dev::kCtlWords * slot_ + base_parity_ * dev::kCtlWords;
+  free_count_ += ctl[dev::kFreeCount];
+  staged_count_ += ctl[dev::kStagedCount];
+  base_unknown_ = false;
+}
+
+void DevicePool::reset_pool() {
+  control_->exec().run(num_pages_ + 1, dev::ResetPoolOp{view(), control_->ctl(slot_)});
+  parity_ = 0;
+  free_count_ = num_pages_;
+  staged_count_ = 0;
+  base_unknown_ = false;
+  group_open_ = group_has_index_frees_ = false;
+  group_index_count_ = group_page_count_ = 0;
+  claim_count_ = 0;
+}
+
+void DevicePool::clear() {
+  reset_pool();
+  control_->reset();
+}
+
+void DevicePool::resize(int64_t size) {
+  size_ = size;
+  num_pages_ = size / page_.size;
+  clear();
+}
+
+void DevicePool::merge() {
+  Executor& exec = control_->exec();
+  exec.select_pages(state_, num_pages_, dev::kFree, dev::kStaged, selected_, selected_count_);
+  exec.run(num_pages_, dev::RebuildFreeListOp{view(), selected_, selected_count_});
+  flip();
+  free_count_ += staged_count_;
+  staged_count_ = 0;
+}
+
+namespace {
+
+// The device's view of a batch: where each request's tokens and new pages begin, and
+// its lengths (BatchView's layout).
+dev::BatchView upload_batch(Executor& exec, const BatchLengths& batch, const PageGeometry& page) {
+  const int64_t bs = batch.size();
+  std::vector<int64_t> words(static_cast<size_t>(dev::BatchView::words_for(bs)));
+  int64_t* token_begin = words.data();
+  int64_t* page_begin = token_begin + bs + 1;
+  int64_t* prefix = page_begin + bs;
+  int64_t* seq = prefix + bs;
+  int64_t tokens = 0, pages = 0;
+  for (int64_t j = 0; j < bs; ++j) {
+    token_begin[j] = tokens;
+    page_begin[j] = pages;
+    prefix[j] = batch.prefix(j);
+    seq[j] = batch.seq_lens[j];
+    tokens += seq[j] - prefix[j];
+    pages += new_page_count(prefix[j], seq[j], page);
+  }
+  token_begin[bs] = tokens;
+  return dev::BatchView{exec.upload(words), bs};
+}
+
+}  // namespace
+
+void DevicePool::validate_batch(const BatchLengths& batch, const LastLoc& last_loc, Call call) {
+  if (!control_->debug()) return;  // the write checks each request, reporting later
+  const dev::PoolView pool = view();
+  const dev::LastLocCheck check{pool, false, false, pool, nullptr, last_loc.data, control_->origin(call, kArgLastLoc)};
+  control_->exec().run(batch.size(), dev::ValidateBatchOp{upload_batch(control_->exec(), batch, page_), check});
+  control_->check_now();
+}
+
+void DevicePool::write_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call,
+                             OutBuffer& out) {
+  Executor& exec = control_->exec();
+  const dev::BatchView words = upload_batch(exec, batch, page_);
+  int64_t* slots = out.get(plan.num_tokens);
+  if (plan.num_tokens > 0) {
+    const dev::PoolView pool = view();
+    const dev::LastLocCheck check{pool, false, false, pool, nullptr, last_loc.data, control_->origin(call, kArgLastLoc)};
+    exec.run(plan.num_tokens, dev::AllocSlotsOp{words, check, plan.full_pages, 0, -1, nullptr, slots});
+    flip();
+  }
+  took(plan.full_pages);
+}
+
+void DevicePool::check_page_count(const char* arg, int64_t pages) const {
+  if (pages > num_pages_)
+    fail(arg, "names ", pages, " pages to free but the pool has ", num_pages_, ", so some page is freed twice");
+}
+
+void DevicePool::claim_slots(Span indices, Call call) {
+  const int64_t n = indices.size;
+  if (token_mode()) check_page_count("indices", n);
+  if (n == 0) return;
+  // A page pool releases free()'s pages in page order, from a scan of the states; the
+  // token pool in the order given.
+  defer_claim(n, n, dev::ClaimOp{view(), indices.data, dev::ClaimSource::kSlot, !token_mode(),
+                                token_mode() ? list_ : nullptr, control_->origin(call, kArgIndices)});
+}
+
+void DevicePool::claim_segment(Span indices, Call call) {
+  const int64_t reps = page_.pages_for(indices.size);
+  check_page_count("indices", reps);
+  if (reps == 0) return;
+  defer_claim(reps, reps, dev::ClaimOp{view(), indices.data, dev::ClaimSource::kSegmentRep, false, list_,
+                                       control_->origin(call, kArgIndices)});
+}
+
+void DevicePool::claim_page_ids(Span pages, Call call) {
+  check_page_count("page_ids", pages.size);
+  if (pages.size == 0) return;
+  defer_claim(pages.size, pages.size, dev::ClaimOp{view(), pages.data, dev::ClaimSource::kPageId, false, list_,
+                                                   control_->origin(call, kArgPageIds)});
+}
+
+void DevicePool::restate_claims() {
+  control_->exec().run(num_pages_, dev::RestateOp{state_, dev::kClaimed, dev::kHeld});
+  claim_count_ = 0;
+}
+
+void DevicePool::undo_claims() {
+  if (control_->drop_claims()) restate_claims();
+  claim_count_ = 0;
+}
+
+void DevicePool::release(const int64_t* pages, int64_t n, const int64_t* device_count, int64_t launch,
+                         Destination dest, int64_t reset_word) {
+  if (device_count == nullptr && n == 0) return;
+  control_->exec().run(std::max<int64_t>(std::min(launch, num_pages_), 1),
+                       dev::ReleaseOp{view(), pages, n, device_count, dest, reset_word});
+  flip();
+  if (reset_word == dev::kGroupIndexCount) group_index_count_ = 0;
+  if (reset_word == dev::kGroupPageCount) group_page_count_ = 0;
+  const bool counted = dest == Destination::kPrepend || dest == Destination::kAppend ||
+                       dest == Destination::kStaged;
+  if (device_count != nullptr) {
+    if (counted) control_->start_count_readback();
+    return;
+  }
+  switch (dest) {
+    case Destination::kPrepend:
+    case Destination::kAppend:
+      free_count_ += n;
+      break;
+    case Destination::kStaged:
+      staged_count_ += n;
+      break;
+    case Destination::kGroupIndex:
+      group_index_count_ += n;
+      break;
+    case Destination::kGroupPages:
+      group_page_count_ += n;
+      break;
+  }
+}
+
+void DevicePool::release_claims(Destination dest, ReleaseOrder order) {
+  const int64_t count = claim_count_;
+  claim_count_ = 0;
+  if (count == 0) return;
+  if (order == ReleaseOrder::kClaimOrder) return release(list_, count, nullptr, count, dest, -1);
+  // Page order: the claimed pages, however many there were, from a scan of the states.
+  if (dest == Destination::kGroupIndex) {
+    control_->exec().run(num_pages_, dev::RestateOp{state_, dev::kClaimed, dev::kQueuedByIndex});
+    group_has_index_frees_ = true;
+    return;
+  }
+  control_->exec().select_pages(state_, num_pages_, dev::kClaimed, dev::kClaimed, selected_, selected_count_);
+  release(selected_, 0, selected_count_, count, dest, -1);
+}
+
+void DevicePool::release_group(GroupQueue queue, Destination dest, ReleaseOrder order) {
+  if (queue == GroupQueue::kByPage)
+    return release(group_pages_, group_page_count_, nullptr, group_page_count_, dest, dev::kGroupPageCount);
+  if (order == ReleaseOrder::kClaimOrder)  // the token pool queues its free() pages in a list
+    return release(group_index_, group_index_count_, nullptr, group_index_count_, dest, dev::kGroupIndexCount);
+  if (!group_has_index_frees_) return;
+  group_has_index_frees_ = false;
+  control_->exec().select_pages(state_, num_pages_, dev::kQueuedByIndex, dev::kQueuedByIndex, selected_,
+                                selected_count_);
+  release(selected_, 0, selected_count_, num_pages_, dest, -1);
+}
+
+PagePool DevicePool::snapshot() {
+  Executor& exec = control_->exec();
+  int64_t ctl[dev::kCtlWords];
+  exec.copy_to_host(ctl, control_->ctl(slot_) + parity_ * dev::kCtlWords, dev::kCtlWords);
+  std::vector<int64_t> ring(static_cast<size_t>(num_pages_)), free_list(static_cast<size_t>(ctl[dev::kFreeCount]));
+  exec.copy_to_host(ring.data(), ring_, num_pages_);
+  for (int64_t k = 0; k < ctl[dev::kFreeCount]; ++k) free_list[k] = ring[(ctl[dev::kHead] + k) % num_pages_];
+  const auto download = [&](const int64_t* src, int64_t n) {
+    std::vector<int64_t> v(static_cast<size_t>(n));
+    exec.copy_to_host(v.data(), src, n);
+    return v;
+  };
+  std::vector<int64_t> state_words((num_pages_ + 2) / 2);
+  exec.copy_to_host(state_words.data(), reinterpret_cast<const int64_t*>(state_), (num_pages_ + 2) / 2);
+  const dev::StateWord* words = reinterpret_cast<const dev::StateWord*>(state_words.data());
+  std::vector<PageState> state(static_cast<size_t>(num_pages_ + 1));
+  std::vector<int64_t> queued_by_index =
+      token_mode() ? download(group_index_, ctl[dev::kGroupIndexCount]) : std::vector<int64_t>();
+  for (int64_t p = 0; p <= num_pages_; ++p) {
+    state[p] = static_cast<PageState>(words[p]);
+    if (!token_mode() && words[p] == dev::kQueuedByIndex) queued_by_index.push_back(p);
+  }
+  PagePool pool = PagePool::from_parts(size_, page_.size, need_sort_, free_list, download(staged_, ctl[dev::kStagedCount]),
+                                       std::move(state), group_open_, std::move(queued_by_index),
+                                       download(group_pages_, ctl[dev::kGroupPageCount]));
+  return pool;
+}
+
+void DevicePool::restore_pool(const PagePool& pool) {
+  Executor& exec = control_->exec();
+  const std::vector<int64_t> free_list = pool.free_list();
+  exec.copy_to_device(ring_, free_list.data(), static_cast<int64_t>(free_list.size()));
+  const std::vector<int64_t>& staged = pool.staged_list();
+  exec.copy_to_device(staged_, staged.data(), static_cast<int64_t>(staged.size()));
+  const std::vector<int64_t>& by_index = pool.group_index_pages();
+  if (token_mode()) exec.copy_to_device(group_index_, by_index.data(), static_cast<int64_t>(by_index.size()));
+  const std::vector<int64_t>& by_page = pool.group_page_ids();
+  exec.copy_to_device(group_pages_, by_page.data(), static_cast<int64_t>(by_page.size()));
+  std::vector<int64_t> state_words((num_pages_ + 2) / 2, 0);
+  dev::StateWord* words = reinterpret_cast<dev::StateWord*>(state_words.data());
+  for (int64_t p = 0; p <= num_pages_; ++p) words[p] = dev::state_word(pool.state(p));
+  exec.copy_to_device(reinterpret_cast<int64_t*>(state_), state_words.data(), static_cast<int64_t>(state_words.size()));
+  int64_t ctl[dev::kCtlWords] = {};
+  ctl[dev::kFreeCount] = static_cast<int64_t>(free_list.size());
+  ctl[dev::kStagedCount] = static_cast<int64_t>(staged.size());
+  group_index_count_ = token_mode() ? static_cast<int64_t>(by_index.size()) : 0;
+  group_page_count_ = static_cast<int64_t>(by_page.size());
+  ctl[dev::kGroupIndexCount] = group_index_count_;
+  ctl[dev::kGroupPageCount] = group_page_count_;
+  exec.copy_to_device(control_->ctl(slot_), ctl, dev::kCtlWords);
+  parity_ = 0;
+  free_count_ = ctl[dev::kFreeCount];
+  staged_count_ = ctl[dev::kStagedCount];
+  base_unknown_ = false;
+  group_open_ = pool.group_open();
+  group_has_index_frees_ = !token_mode() && !by_index.empty();
+  claim_count_ = 0;
+}
+
+void DevicePool::restore(const PagePool& state) {
+  restore_pool(state);
+  control_->reset();
+}
+
+// ---------------------------------------------------------------- DeviceHybridStore
+
+DeviceHybridStore::DeviceHybridStore(std::shared_ptr<Executor> executor, int64_t size, int64_t size_swa,
+                                     int64_t page_size, bool need_sort, bool debug, int64_t* mapping,
+                                     int64_t mapping_len)
+    : page_(page_size),
+      control_(std::make_shared<DeviceControl>(std::move(executor), 2, debug)),
+      full_(std::make_shared<DevicePool>(control_, 0, size, page_size, need_sort)),
+      swa_(std::make_shared<DevicePool>(control_, 1, size_swa, page_size, need_sort)),
+      mapping_(mapping),
+      mapping_len_(mapping_len) {
+  full_pages_ = control_->exec().allocate(full_->num_pages());
+  reset_mapping();
+}
+
+void DeviceHybridStore::reset_mapping() {
+  std::vector<int64_t> mapping(static_cast<size_t>(mapping_len_), 0);
+  mapping.back() = -1;  // last_loc == -1 translates to -1
+  control_->exec().copy_to_device(mapping_, mapping.data(), mapping_len_);
+}
+
+dev::LastLocCheck DeviceHybridStore::last_loc_check(const AllocPlan& plan, const LastLoc& last_loc, Call call) {
+  return dev::LastLocCheck{full_->view(), true, swa_continues_prefix(plan.call), swa_->view(), mapping_,
+                           last_loc.data, control_->origin(call, kArgLastLoc)};
+}
+
+void DeviceHybridStore::validate_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc,
+                                       Call call) {
+  if (!control_->debug()) return;  // the write checks each request, reporting later
+  Executor& exec = control_->exec();
+  exec.run(batch.size(), dev::ValidateBatchOp{upload_batch(exec, batch, page_), last_loc_check(plan, last_loc, call)});
+  control_->check_now();
+}
+
+void DeviceHybridStore::write_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc,
+                                    Call call, OutBuffer& out) {
+  Executor& exec = control_->exec();
+  const dev::BatchView words = upload_batch(exec, batch, page_);
+  int64_t* slots = out.get(plan.num_tokens);
+  if (plan.num_tokens > 0) {
+    const int64_t swa_head = swa_continues_prefix(plan.call) ? -1 : plan.swa_head_len();
+    exec.run(plan.num_tokens, dev::AllocSlotsOp{words, last_loc_check(plan, last_loc, call), plan.full_pages,
+                                                plan.swa_pages, swa_head, mapping_, slots});
+    full_->flip();
+    swa_->flip();
+  }
+  full_->took(plan.full_pages);
+  swa_->took(plan.swa_pages);
+}
+
+void DeviceHybridStore::translate(Span indices, int64_t* out) {
+  if (indices.size == 0) return;
+  control_->exec().run(indices.size, dev::TranslateOp{mapping_, mapping_len_, indices.data, out,
+                                                      control_->origin(kCallTranslate, kArgKvIndices)});
+  control_->check_now();
+}
+
+void DeviceHybridStore::write_mapping(Span full_indices, const int64_t* swa_indices, Call call) {
+  if (full_indices.size == 0) return;
+  dev::SetMappingOp op{mapping_, full_->view(), swa_->view(), full_indices.data, swa_indices, true,
+                       control_->origin(call, kArgFullIndices), control_->origin(call, kArgSwaIndices)};
+  Executor& exec = control_->exec();
+  if (control_->debug()) {
+    exec.run(full_indices.size, op);
+    control_->check_now();
+  }
+  op.validate_only = false;
+  exec.run(full_indices.size, op);
+}
+
+void DeviceHybridStore::set_mapping(Span full_indices, Span swa_indices) {
+  write_mapping(full_indices, swa_indices.data, kCallSetMapping);
+}
+
+void DeviceHybridStore::clear_mapping(Span full_indices) { write_mapping(full_indices, nullptr, kCallClearMapping); }
+
+void DeviceHybridStore::note_mapped(const int64_t* slots, int64_t count) {
+  mapped_slots_ = slots;
+  mapped_count_ = count;
+}
+
+void DeviceHybridStore::claim_swa_of_pages(Span indices, Call call) {
+  if (indices.size == 0) return;
+  swa_->defer_claim(indices.size, indices.size * page_.size,
+                    dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, indices.data, true, swa_->list(),
+                                    full_pages_, control_->origin(call, kArgIndices)});
+  note_mapped(indices.data, indices.size);
+}
+
+void DeviceHybridStore::claim_swa_of_reps(Span indices, Call call) {
+  const int64_t reps = page_.pages_for(indices.size);
+  swa_->check_page_count("indices", reps);
+  full_->check_page_count("indices", reps);
+  if (reps == 0) return;
+  swa_->defer_claim(reps, reps, dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, indices.data, false,
+                                                swa_->list(), full_pages_, control_->origin(call, kArgIndices)});
+  note_mapped(nullptr, reps);
+}
+
+void DeviceHybridStore::claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) {
+  const int64_t total = plan.total_pages(), num_due = plan.num_due();
+  swa_->check_page_count("req_to_token", total);
+  full_->check_page_count("req_to_token", total);
+  std::vector<int64_t> due = plan.page_begin;  // ClaimEvictedOp's layout
+  due.insert(due.end(), plan.row.begin(), plan.row.end());
+  due.insert(due.end(), plan.evicted.begin(), plan.evicted.end());
+  due.insert(due.end(), plan.release_offset.begin(), plan.release_offset.end());
+  swa_->defer_claim(total, total,
+                    dev::ClaimEvictedOp{full_->view(), swa_->view(), mapping_, rows.rows32, rows.rows64, rows.row_len,
+                                        control_->exec().upload(due), num_due, swa_->list(), full_pages_,
+                                        control_->origin(kCallEvict, kArgReqToToken)});
+  note_mapped(nullptr, total);
+}
+
+void DeviceHybridStore::undo_claims() {
+  if (control_->drop_claims()) {
+    full_->restate_claims();
+    swa_->restate_claims();
+  }
+  full_->undo_claims();
+  swa_->undo_claims();
+  note_mapped(nullptr, 0);
+}
+
+void DeviceHybridStore::clear_claimed_mapping() {
+  if (mapped_count_ > 0) {
+    const bool slots = mapped_slots_ != nullptr;
+    control_->exec().run(mapped_count_, dev::ClearMappedPagesOp{mapping_, page_, full_->num_pages(),
+                                                                slots ? mapped_slots_ : full_pages_, slots});
+  }
+  note_mapped(nullptr, 0);
+}
+
+void DeviceHybridStore::clear() {
+  full_->reset_pool();
+  swa_->reset_pool();
+  reset_mapping();
+  control_->reset();
+}
+
+void DeviceHybridStore::resize(int64_t size, int64_t size_swa) {
+  full_->resize(size);
+  swa_->resize(size_swa);
+  reset_mapping();
+}
+
+AllocatorState DeviceHybridStore::backup() {
+  control_->raise_found_errors();
+  std::vector<int64_t> mapping(static_cast<size_t>(mapping_len_));
+  control_->exec().copy_to_host(mapping.data(), mapping_, mapping_len_);
+  return AllocatorState{full_->snapshot(), swa_->snapshot(), std::move(mapping)};
+}
+
+void DeviceHybridStore::restore(const AllocatorState& state) {
+  full_->restore_pool(state.full);
+  swa_->restore_pool(state.swa);
+  control_->exec().copy_to_device(mapping_, state.mapping.data(), mapping_len_);
+  control_->reset();
+}
+
+}  // namespace swa

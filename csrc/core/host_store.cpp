@@ -1,0 +1,391 @@
+#include "host_store.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace swa {
+
+// ---------------------------------------------------------------- PagePool
+
+PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort)
+    : size_(size), num_pages_(0), capacity_(size), geometry_(page_size), need_sort_(need_sort) {
+  check_pool_shape("size", size, page_size);
+  num_pages_ = size / page_size;
+  ring_.resize(static_cast<size_t>(num_pages_));
+  state_.resize(static_cast<size_t>(num_pages_ + 1));
+  reset_state();
+}
+
+PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
+                              std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
+                              std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids) {
+  PagePool pool(size, page_size, need_sort);
+  if (static_cast<int64_t>(free_list.size()) > pool.num_pages_ || static_cast<int64_t>(state.size()) != pool.num_pages_ + 1)
+    throw std::logic_error("pool snapshot of the wrong shape");
+  std::copy(free_list.begin(), free_list.end(), pool.ring_.begin());
+  pool.head_ = 0;
+  pool.free_count_ = static_cast<int64_t>(free_list.size());
+  pool.staged_ = std::move(staged);
+  pool.state_ = std::move(state);
+  pool.group_open_ = group_open;
+  pool.group_index_pages_ = std::move(group_index_pages);
+  pool.group_page_ids_ = std::move(group_page_ids);
+  return pool;
+}
+
+void PagePool::reset_state() {
+  for (int64_t k = 0; k < num_pages_; ++k) ring_[k] = k + 1;
+  head_ = 0;
+  free_count_ = num_pages_;
+  staged_.clear();
+  std::fill(state_.begin(), state_.end(), PageState::kFree);
+  state_[0] = PageState::kHeld;  // the padding page is never handed out nor freed
+  group_open_ = false;
+  group_index_pages_.clear();
+  group_page_ids_.clear();
+  claimed_.clear();
+}
+
+void PagePool::clear() { reset_state(); }
+
+void PagePool::resize(int64_t size) {
+  PagePool resized(size, geometry_.size, need_sort_);
+  resized.capacity_ = capacity_;
+  *this = std::move(resized);
+}
+
+void PagePool::restore(const PagePool& state) {
+  const int64_t capacity = capacity_;
+  *this = state;
+  capacity_ = capacity;
+}
+
+void PagePool::merge() {
+  std::vector<int64_t> merged = free_list();
+  merged.insert(merged.end(), staged_.begin(), staged_.end());
+  std::sort(merged.begin(), merged.end());
+  for (size_t k = 0; k < merged.size(); ++k) {
+    ring_[k] = merged[k];
+    state_[merged[k]] = PageState::kFree;
+  }
+  head_ = 0;
+  free_count_ = static_cast<int64_t>(merged.size());
+  staged_.clear();
+}
+
+void PagePool::take(int64_t n) {
+  for (int64_t k = 0; k < n; ++k) state_[page_at(k)] = PageState::kHeld;
+  head_ += n;
+  if (head_ >= num_pages_) head_ -= num_pages_;
+  free_count_ -= n;
+}
+
+void PagePool::validate_batch(const BatchLengths& batch, const LastLoc& last_loc, Call) {
+  check_last_loc(batch, last_loc);
+}
+
+void PagePool::write_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call,
+                           OutBuffer& out) {
+  const int64_t* last = last_loc.data;
+  write_slots(batch, [last](int64_t j) { return last != nullptr ? last[j] : int64_t{-1}; }, out.get(plan.num_tokens));
+  take(plan.full_pages);
+}
+
+void PagePool::check_last_loc(const BatchLengths& batch, const LastLoc& last_loc) const {
+  if (last_loc.data == nullptr) return;  // alloc(): no prefixes
+  const auto state_of_page = [this](int64_t page) { return state_[page]; };
+  for (int64_t j = 0; j < batch.size(); ++j) {
+    const int64_t prefix = batch.prefix(j), last = last_loc.data[j];
+    const LastLocFault fault = last_loc_fault(last, prefix, geometry_, num_pages_, state_of_page);
+    if (fault != LastLocFault::kNone)
+      throw ArgumentError(last_loc_fault_message(fault, j, last, prefix, geometry_, num_pages_));
+  }
+}
+
+int64_t PagePool::page_of(const char* arg, int64_t index) const {
+  if (!slot_in_pool(index, geometry_, num_pages_))
+    fail(arg, "index ", index, " is outside the pool's slots [", geometry_.size, ", ", index_end(),
+         ") (page 0 is the padding page)");
+  return geometry_.page(index);
+}
+
+void PagePool::claim(const char* arg, int64_t page, bool repeat_ok) {
+  PageState& s = state_[page];
+  if (s == PageState::kHeld) {
+    s = PageState::kClaimed;
+    claimed_.push_back(page);
+    return;
+  }
+  if (repeats_a_claim(s, repeat_ok)) return;
+  fail(arg, "page ", page, claim_refusal(s));
+}
+
+void PagePool::claim_slots(Span indices, Call) {
+  for (int64_t i = 0; i < indices.size; ++i) claim("indices", page_of("indices", indices[i]), !token_mode());
+}
+
+void PagePool::claim_segment(Span indices, Call) {
+  // Every page_size-th index stands for its page.
+  for (int64_t i = 0; i < indices.size; i += geometry_.size) claim("indices", page_of("indices", indices[i]), false);
+}
+
+void PagePool::claim_page_ids(Span pages, Call) {
+  for (int64_t i = 0; i < pages.size; ++i)
+    if (!page_id_in_pool(pages[i], num_pages_))
+      fail("page_ids", "page id ", pages[i], " is outside [1, ", num_pages_, "] (page 0 is the padding page)");
+  for (int64_t i = 0; i < pages.size; ++i) claim("page_ids", pages[i], false);
+}
+
+void PagePool::undo_claims() {
+  for (int64_t page : claimed_) state_[page] = PageState::kHeld;
+  claimed_.clear();
+}
+
+void PagePool::release_claims(Destination dest, ReleaseOrder order) {
+  hand_on(claimed_, dest, order);
+  claimed_.clear();
+}
+
+void PagePool::release_group(GroupQueue queue, Destination dest, ReleaseOrder order) {
+  std::vector<int64_t> pages;
+  pages.swap(queue == GroupQueue::kByIndex ? group_index_pages_ : group_page_ids_);
+  hand_on(pages, dest, order);
+}
+
+void PagePool::hand_on(std::vector<int64_t>& pages, Destination dest, ReleaseOrder order) {
+  if (order == ReleaseOrder::kPageOrder) std::sort(pages.begin(), pages.end());
+  if (dest == Destination::kGroupIndex || dest == Destination::kGroupPages) {
+    const bool by_index = dest == Destination::kGroupIndex;
+    std::vector<int64_t>& queue = by_index ? group_index_pages_ : group_page_ids_;
+    for (int64_t page : pages) state_[page] = by_index ? PageState::kQueuedByIndex : PageState::kQueuedByPage;
+    queue.insert(queue.end(), pages.begin(), pages.end());
+    return;
+  }
+  release(pages, dest);
+}
+
+void PagePool::release(const std::vector<int64_t>& pages, Destination dest) {
+  const int64_t n = static_cast<int64_t>(pages.size());
+  if (n == 0) return;
+  if (dest == Destination::kStaged) {
+    for (int64_t page : pages) state_[page] = PageState::kStaged;
+    staged_.insert(staged_.end(), pages.begin(), pages.end());
+    return;
+  }
+  for (int64_t page : pages) state_[page] = PageState::kFree;
+  int64_t pos;
+  if (dest == Destination::kAppend) {
+    pos = head_ + free_count_;
+  } else {
+    head_ -= n;  // prepend: the pages freed last are handed out first
+    if (head_ < 0) head_ += num_pages_;
+    pos = head_;
+  }
+  for (int64_t k = 0; k < n; ++k, ++pos) ring_[pos >= num_pages_ ? pos - num_pages_ : pos] = pages[k];
+  free_count_ += n;
+}
+
+std::vector<int64_t> PagePool::free_list() const {
+  std::vector<int64_t> pages(static_cast<size_t>(free_count_));
+  for (int64_t k = 0; k < free_count_; ++k) pages[k] = page_at(k);
+  return pages;
+}
+
+std::string PagePool::debug_string() const {
+  std::ostringstream s;
+  s << "page_size=" << geometry_.size << " pages=" << num_pages_ << " free=" << free_count_
+    << " staged=" << staged_.size() << " held=" << num_pages_ - free_count_ - static_cast<int64_t>(staged_.size())
+    << (group_open_ ? " (free group open)" : "");
+  return s.str();
+}
+
+void PagePool::check_invariants() const {
+  auto broken = [](const std::string& what) { throw std::logic_error("pool invariant broken: " + what); };
+  if (free_count_ < 0 || free_count_ > num_pages_) broken("free count out of range");
+  if (state_[0] != PageState::kHeld) broken("the padding page changed state");
+  std::vector<int> seen(static_cast<size_t>(num_pages_ + 1), 0);
+  auto expect = [&](int64_t page, PageState want, const char* where) {
+    if (page < 1 || page > num_pages_) broken(std::string(where) + " holds a page id out of range");
+    if (seen[page]++) broken("page " + std::to_string(page) + " is in two places (last seen in " + where + ")");
+    if (state_[page] != want) broken("page " + std::to_string(page) + " in " + where + " has the wrong state");
+  };
+  for (int64_t k = 0; k < free_count_; ++k) expect(page_at(k), PageState::kFree, "the free list");
+  for (int64_t page : staged_) expect(page, PageState::kStaged, "the staging list");
+  for (int64_t page : group_index_pages_) expect(page, PageState::kQueuedByIndex, "the free group");
+  for (int64_t page : group_page_ids_) expect(page, PageState::kQueuedByPage, "the free group");
+  if (!group_open_ && !(group_index_pages_.empty() && group_page_ids_.empty()))
+    broken("pages queued without an open free group");
+  for (int64_t page = 1; page <= num_pages_; ++page)
+    if (!seen[page] && state_[page] != PageState::kHeld)
+      broken("page " + std::to_string(page) + " is marked free but is in no list");
+}
+
+std::vector<int64_t> PagePool::queued_by_index() const {
+  std::vector<int64_t> pages = group_index_pages_;
+  // A page pool releases them in page order, so their order until then means nothing.
+  if (!token_mode()) std::sort(pages.begin(), pages.end());
+  return pages;
+}
+
+bool PagePool::operator==(const PagePool& o) const {
+  return size_ == o.size_ && geometry_.size == o.geometry_.size && need_sort_ == o.need_sort_ &&
+         free_list() == o.free_list() && staged_ == o.staged_ && state_ == o.state_ && group_open_ == o.group_open_ &&
+         queued_by_index() == o.queued_by_index() && group_page_ids_ == o.group_page_ids_;
+}
+
+// ---------------------------------------------------------------- HostHybridStore
+
+HostHybridStore::HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, int64_t* mapping,
+                                 int64_t mapping_len)
+    : full_(std::make_shared<PagePool>(size, page_size, need_sort)),
+      swa_(std::make_shared<PagePool>(size_swa, page_size, need_sort)),
+      mapping_(mapping),
+      mapping_len_(mapping_len) {
+  reset_mapping();
+}
+
+void HostHybridStore::reset_mapping() {
+  std::fill(mapping_, mapping_ + mapping_len_ - 1, 0);
+  mapping_[mapping_len_ - 1] = -1;  // last_loc == -1 translates to -1
+}
+
+void HostHybridStore::write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) mapping_[full_slots[i]] = swa_slots[i];
+}
+
+void HostHybridStore::validate_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc,
+                                     Call) {
+  full_->check_last_loc(batch, last_loc);
+  if (last_loc.data == nullptr || !swa_continues_prefix(plan.call)) return;
+  const PageGeometry& page = full_->geometry();
+  const auto swa_state = [this](int64_t p) { return swa_->state(p); };
+  for (int64_t j = 0; j < batch.size(); ++j) {
+    const int64_t prefix = batch.prefix(j);
+    if (!continues_partial_page(prefix, batch.seq_lens[j], page)) continue;
+    const int64_t last = last_loc.data[j], swa_last = mapping_[last];
+    if (!swa_continuation_ok(last, swa_last, page, swa_->num_pages(), swa_state))
+      throw ArgumentError(swa_continuation_message(j, last, swa_last));
+  }
+}
+
+void HostHybridStore::write_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call,
+                                  OutBuffer& out) {
+  int64_t* full_slots = out.get(plan.num_tokens);
+  const int64_t* last = last_loc.data;
+  const auto full_end = [last](int64_t j) { return last != nullptr ? last[j] : int64_t{-1}; };
+  full_->write_slots(batch, full_end, full_slots);
+  full_->take(plan.full_pages);
+  swa_slots_.resize(static_cast<size_t>(plan.swa_tokens));
+  if (swa_continues_prefix(plan.call)) {
+    const auto swa_end = [&](int64_t j) { return full_end(j) < 0 ? int64_t{-1} : mapping_[full_end(j)]; };
+    swa_->write_slots(batch, swa_end, swa_slots_.data());
+    write_mapping(full_slots, swa_slots_.data(), plan.num_tokens);
+  } else {  // the SWA tail: the head gets no SWA slot, the tail fresh SWA pages
+    const int64_t head_len = plan.swa_head_len();
+    for (int64_t i = 0; i < head_len; ++i) mapping_[full_slots[i]] = 0;
+    const int64_t zero = 0;
+    const BatchLengths tail{Span(&zero, 1), Span(&plan.swa_tokens, 1), false};
+    swa_->write_slots(tail, [](int64_t) { return int64_t{-1}; }, swa_slots_.data());
+    write_mapping(full_slots + head_len, swa_slots_.data(), plan.swa_tokens);
+  }
+  swa_->take(plan.swa_pages);
+}
+
+void HostHybridStore::translate(Span indices, int64_t* out) {
+  for (int64_t i = 0; i < indices.size; ++i) {
+    const int64_t idx = indices[i];
+    if (!translatable(idx, mapping_len_)) throw ArgumentError(untranslatable_message(i, idx, mapping_len_));
+    out[i] = idx < 0 ? mapping_[mapping_len_ - 1] : mapping_[idx];
+  }
+}
+
+void HostHybridStore::set_mapping(Span full_indices, Span swa_indices) {
+  for (int64_t i = 0; i < full_indices.size; ++i) {
+    full_->page_of("full_indices", full_indices[i]);
+    if (swa_indices[i] != 0) swa_->page_of("swa_indices", swa_indices[i]);
+  }
+  write_mapping(full_indices.data, swa_indices.data, full_indices.size);
+}
+
+void HostHybridStore::clear_mapping(Span full_indices) {
+  for (int64_t i = 0; i < full_indices.size; ++i) full_->page_of("full_indices", full_indices[i]);
+  for (int64_t i = 0; i < full_indices.size; ++i) mapping_[full_indices[i]] = 0;
+}
+
+void HostHybridStore::claim_swa_of_pages(Span indices, Call) {
+  const int64_t page_size = full_->geometry().size;
+  int64_t previous = -1;
+  for (int64_t i = 0; i < indices.size; ++i) {
+    const int64_t page = full_->page_of("indices", indices[i]);
+    if (page == previous) continue;  // runs of one page are common; their slots are read once
+    previous = page;
+    claimed_full_pages_.push_back(page);
+    for (int64_t slot = page * page_size; slot < (page + 1) * page_size; ++slot) {
+      const int64_t swa_slot = mapping_[slot];
+      if (swa_slot > 0) swa_->claim("indices", swa_->page_of("indices", swa_slot), true);
+    }
+  }
+}
+
+void HostHybridStore::claim_swa_of_rep(const char* arg, int64_t full_slot) {
+  const int64_t page = full_->page_of(arg, full_slot);
+  const int64_t swa_slot = mapping_[full_slot];
+  if (swa_slot <= 0) fail(arg, "full slot ", full_slot, kUnmappedRefusal);
+  swa_->claim(arg, swa_->page_of(arg, swa_slot), false);
+  claimed_full_pages_.push_back(page);
+}
+
+void HostHybridStore::claim_swa_of_reps(Span indices, Call) {
+  const int64_t page_size = full_->geometry().size;
+  for (int64_t i = 0; i < indices.size; i += page_size) claim_swa_of_rep("indices", indices[i]);
+}
+
+void HostHybridStore::claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) {
+  const int64_t page_size = full_->geometry().size;
+  for (int64_t j = 0; j < plan.num_due(); ++j)
+    for (int64_t u = 0; u < plan.page_begin[j + 1] - plan.page_begin[j]; ++u)
+      claim_swa_of_rep("req_to_token", rows.at(plan.row[j], plan.evicted[j] + u * page_size));
+  // Each request's pages, claimed in batch order, go where the plan releases them.
+  std::vector<int64_t>& claimed = swa_->claimed();
+  std::vector<int64_t> placed(claimed.size());
+  for (int64_t j = 0; j < plan.num_due(); ++j)
+    std::copy(claimed.begin() + plan.page_begin[j], claimed.begin() + plan.page_begin[j + 1],
+              placed.begin() + plan.release_offset[j]);
+  claimed.swap(placed);
+}
+
+void HostHybridStore::undo_claims() {
+  full_->undo_claims();
+  swa_->undo_claims();
+  claimed_full_pages_.clear();
+}
+
+void HostHybridStore::clear_claimed_mapping() {
+  const int64_t page_size = full_->geometry().size;
+  for (int64_t page : claimed_full_pages_) std::fill(mapping_ + page * page_size, mapping_ + (page + 1) * page_size, 0);
+  claimed_full_pages_.clear();
+}
+
+void HostHybridStore::clear() {
+  full_->clear();
+  swa_->clear();
+  reset_mapping();
+}
+
+void HostHybridStore::resize(int64_t size, int64_t size_swa) {
+  full_->resize(size);
+  swa_->resize(size_swa);
+  reset_mapping();
+}
+
+AllocatorState HostHybridStore::backup() {
+  return AllocatorState{*full_, *swa_, std::vector<int64_t>(mapping_, mapping_ + mapping_len_)};
+}
+
+void HostHybridStore::restore(const AllocatorState& state) {
+  full_->restore(state.full);  // in place: the pool objects handed out stay valid
+  swa_->restore(state.swa);
+  std::copy(state.mapping.begin(), state.mapping.end(), mapping_);
+}
+
+}  // namespace swa

@@ -1,0 +1,176 @@
+// The host store: pools and mapping in host memory, changed in place, one element
+// after another. PagePool is one pool (an ordered free list of page ids, the need_sort
+// staging list, free-group queues, a state per page) and also the value a snapshot of
+// any pool takes; HostHybridStore holds two of them and the full-to-SWA mapping.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "store.h"
+
+namespace swa {
+
+class PagePool final : public PoolStore {
+ public:
+  PagePool(int64_t size, int64_t page_size, bool need_sort);
+  // A pool with the given contents (a device pool's snapshot); check_invariants() vets it.
+  static PagePool from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
+                             std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
+                             std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids);
+
+  // PoolStore
+  int64_t size() const override { return size_; }
+  int64_t capacity() const override { return capacity_; }
+  const PageGeometry& geometry() const override { return geometry_; }
+  int64_t num_pages() const override { return num_pages_; }
+  bool need_sort() const override { return need_sort_; }
+  int64_t free_pages() override { return free_count_; }
+  int64_t staged_pages() override { return static_cast<int64_t>(staged_.size()); }
+  bool group_open() const override { return group_open_; }
+  void set_group_open(bool open) override { group_open_ = open; }
+  void check_usable() override {}
+  void merge() override;
+  void validate_batch(const BatchLengths& batch, const LastLoc& last_loc, Call call) override;
+  void write_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call,
+                   OutBuffer& out) override;
+  void claim_slots(Span indices, Call call) override;
+  void claim_segment(Span indices, Call call) override;
+  void claim_page_ids(Span pages, Call call) override;
+  void confirm_claims() override {}
+  void undo_claims() override;
+  void release_claims(Destination dest, ReleaseOrder order) override;
+  void release_group(GroupQueue queue, Destination dest, ReleaseOrder order) override;
+  void clear() override;
+  void resize(int64_t size) override;
+  PagePool snapshot() override { return *this; }
+  void restore(const PagePool& state) override;
+
+  int64_t page_size() const { return geometry_.size; }
+  int64_t available_size() const { return (free_count_ + static_cast<int64_t>(staged_.size())) * geometry_.size; }
+  // One past the largest token index this pool hands out.
+  int64_t index_end() const { return (num_pages_ + 1) * geometry_.size; }
+
+  // Building blocks for the hybrid store.
+  int64_t page_of(const char* arg, int64_t index) const;  // checks the range
+  PageState state(int64_t page) const { return state_[page]; }
+  int64_t page_at(int64_t k) const {  // k-th page of the free list
+    int64_t pos = head_ + k;
+    return ring_[pos >= num_pages_ ? pos - num_pages_ : pos];
+  }
+  // Checks that each request's last_loc ends its prefix in a page of this pool.
+  void check_last_loc(const BatchLengths& batch, const LastLoc& last_loc) const;
+  // Writes the slots of the batch, new pages taken from the head of the free list in
+  // batch order; prefix_end(j) is where request j's prefix ends. Takes nothing.
+  template <class PrefixEnd>
+  void write_slots(const BatchLengths& batch, const PrefixEnd& prefix_end, int64_t* out) const;
+  void take(int64_t n);  // the first n free pages become held
+  // Marks page as claimed by this call; repeat_ok: it may already be (free() frees
+  // pages, so several slots of one page are one free).
+  void claim(const char* arg, int64_t page, bool repeat_ok);
+  std::vector<int64_t>& claimed() { return claimed_; }
+
+  // The snapshot's contents.
+  std::vector<int64_t> free_list() const;  // in hand-out order
+  const std::vector<int64_t>& staged_list() const { return staged_; }
+  const std::vector<int64_t>& group_index_pages() const { return group_index_pages_; }
+  const std::vector<int64_t>& group_page_ids() const { return group_page_ids_; }
+  std::string debug_string() const;
+  // Throws std::logic_error naming the first broken invariant.
+  void check_invariants() const;
+  bool operator==(const PagePool& other) const;
+
+ private:
+  void reset_state();
+  // Pages into the free list or staging (dest outside a group), in this order.
+  void release(const std::vector<int64_t>& pages, Destination dest);
+  // Pages to dest: a group queue or release().
+  void hand_on(std::vector<int64_t>& pages, Destination dest, ReleaseOrder order);
+  std::vector<int64_t> queued_by_index() const;
+
+  int64_t size_, num_pages_;
+  int64_t capacity_;
+  PageGeometry geometry_;
+  bool need_sort_;
+  // The free list is ring_[head_ .. head_ + free_count_) modulo num_pages_: the page
+  // pool prepends and the token pool appends, and both fit because a page is in at
+  // most one place.
+  std::vector<int64_t> ring_;
+  int64_t head_ = 0, free_count_ = 0;
+  std::vector<int64_t> staged_;
+  std::vector<PageState> state_;  // indexed by page id; page 0 is the padding page
+  bool group_open_ = false;
+  std::vector<int64_t> group_index_pages_;  // pages of free() calls held by the group
+  std::vector<int64_t> group_page_ids_;     // pages of free_page_ids calls held by the group
+  std::vector<int64_t> claimed_;            // the current call's claims, in first-seen order
+};
+
+template <class PrefixEnd>
+void PagePool::write_slots(const BatchLengths& batch, const PrefixEnd& prefix_end, int64_t* out) const {
+  int64_t pos = 0, page_offset = 0;
+  for (int64_t j = 0; j < batch.size(); ++j) {
+    const int64_t prefix = batch.prefix(j), seq = batch.seq_lens[j];
+    const int64_t last = prefix_end(j);
+    const auto page_at_offset = [this, page_offset](int64_t k) { return page_at(page_offset + k); };
+    for (int64_t t = 0; t < seq - prefix; ++t)
+      out[pos++] = extend_slot(t, prefix, seq, last, geometry_, page_at_offset);
+    page_offset += new_page_count(prefix, seq, geometry_);
+  }
+}
+
+// A hybrid allocator's whole state: what backup_state() returns and restore_state() takes.
+struct AllocatorState {
+  PagePool full, swa;
+  std::vector<int64_t> mapping;
+  bool operator==(const AllocatorState& o) const { return full == o.full && swa == o.swa && mapping == o.mapping; }
+};
+
+class HostHybridStore final : public HybridStore {
+ public:
+  // mapping: caller-owned storage of mapping_len int64 values; it must outlive the store.
+  HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, int64_t* mapping,
+                  int64_t mapping_len);
+
+  PoolStore& full() override { return *full_; }
+  PoolStore& swa() override { return *swa_; }
+  std::shared_ptr<PoolStore> full_ptr() const override { return full_; }
+  std::shared_ptr<PoolStore> swa_ptr() const override { return swa_; }
+  int64_t mapping_len() const override { return mapping_len_; }
+  const char* kernels() const override { return "cpu"; }
+  int64_t device_waits() const override { return 0; }
+  void check_usable() override {}
+  void raise_found_errors() override {}
+  void validate_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call) override;
+  void write_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call,
+                   OutBuffer& out) override;
+  void translate(Span indices, int64_t* out) override;
+  void set_mapping(Span full_indices, Span swa_indices) override;
+  void clear_mapping(Span full_indices) override;
+  void claim_swa_of_pages(Span indices, Call call) override;
+  void claim_swa_of_reps(Span indices, Call call) override;
+  void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) override;
+  void confirm_claims() override {}
+  void undo_claims() override;
+  void clear_claimed_mapping() override;
+  void clear() override;
+  void resize(int64_t size, int64_t size_swa) override;
+  AllocatorState backup() override;
+  void restore(const AllocatorState& state) override;
+
+ private:
+  void reset_mapping();
+  void write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n);
+  // Claims the SWA page mapped from full slot full_slot, a page representative.
+  void claim_swa_of_rep(const char* arg, int64_t full_slot);
+
+  std::shared_ptr<PagePool> full_, swa_;
+  int64_t* mapping_;
+  int64_t mapping_len_;
+  std::vector<int64_t> swa_slots_;         // scratch for the SWA half of an allocation
+  std::vector<int64_t> claimed_full_pages_;  // the full pages whose mapping the claimed free clears
+};
+
+}  // namespace swa
