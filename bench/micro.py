@@ -882,14 +882,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(e, file=sys.stderr)
         return 2
 
-    with_sglang = False
+    with_sglang, importing = False, time.perf_counter()
     if not args.no_sglang:
-        reason = sglang_ref.unavailable_reason()
+        reason = sglang_ref.unavailable_reason()  # imports sglang: seconds
         if reason is not None:
             print(f"{PROG}: SGLang's allocator is not importable ({reason}): "
                   "measuring native, baseline and floor only", file=sys.stderr)
         with_sglang = reason is None
     measuring = time.perf_counter()
+    imported = f"sglang imported in {measuring - importing:.1f} s, " if with_sglang else ""
     rows = run(
         ops=ops,
         batch_sizes=batch_sizes,
@@ -915,8 +916,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.plot:
         plot(rows, args.plot)
     if not args.quiet:
-        print(f"wall time {time.perf_counter() - started:.1f} s: {len(rows)} case{'' if len(rows) == 1 else 's'} "
-              f"measured in {measured:.1f} s, "
+        print(f"wall time {time.perf_counter() - started:.1f} s: {imported}"
+              f"{len(rows)} case{'' if len(rows) == 1 else 's'} measured in {measured:.1f} s, "
               f"then the reports (interpreter and torch start-up not counted)", file=sys.stderr)
     return 0
 

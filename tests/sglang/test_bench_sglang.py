@@ -11,6 +11,7 @@ run where sglang is importable (conftest.py).
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -65,6 +66,8 @@ def test_the_command_measures_sglang_with_cold_caches_and_reports_it(tmp_path, c
     assert "not importable" not in captured.err
     progress = [line for line in captured.err.splitlines() if line.startswith("[")]
     assert len(progress) == 2 and all(" sglang " in line and " vs sglang, " in line for line in progress)
+    assert re.fullmatch(r"wall time [\d.]+ s: sglang imported in [\d.]+ s, 2 cases measured in .*",
+                        captured.err.splitlines()[-1])
     doc = json.loads(js.read_text())
     assert doc["meta"]["sglang"] == "0.5.23"
     for r in doc["rows"]:
