@@ -8,6 +8,9 @@ golden traces exactly.
 
 ``evict_per_request`` is the per-request sliding-window eviction loop of
 SPEC.md section 5, the reference for the batched native eviction.
+
+``micro`` is ``swa-ext bench``; ``sglang_ref`` sets SGLang's own allocator up as
+a further reference there, whenever sglang is importable.
 """
 
 from .baseline import (
