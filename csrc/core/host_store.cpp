@@ -121,7 +121,15 @@ void PagePool::claim(const char* arg, int64_t page, bool repeat_ok) {
 }
 
 void PagePool::claim_slots(Span indices, Call) {
-  for (int64_t i = 0; i < indices.size; ++i) claim("indices", page_of("indices", indices[i]), !token_mode());
+  const bool repeat_ok = !token_mode();
+  int64_t previous = 0;  // none yet: page 0 holds no slot of the pool
+  for (int64_t i = 0; i < indices.size; ++i) {
+    // A run of slots in one page (the usual case) is one claim: a slot of a page that
+    // passed the range check is in range, and its claim would be a repeat.
+    if (repeat_ok && previous != 0 && geometry_.page(indices[i]) == previous) continue;
+    previous = page_of("indices", indices[i]);
+    claim("indices", previous, repeat_ok);
+  }
 }
 
 void PagePool::claim_segment(Span indices, Call) {
@@ -313,16 +321,19 @@ void HostHybridStore::clear_mapping(Span full_indices) {
 }
 
 void HostHybridStore::claim_swa_of_pages(Span indices, Call) {
-  const int64_t page_size = full_->geometry().size;
-  int64_t previous = -1;
+  const PageGeometry& page = full_->geometry();
+  int64_t previous = 0, previous_swa = 0;  // none yet: page 0 holds no slot of a pool
   for (int64_t i = 0; i < indices.size; ++i) {
-    const int64_t page = full_->page_of("indices", indices[i]);
-    if (page == previous) continue;  // runs of one page are common; their slots are read once
-    previous = page;
-    claimed_full_pages_.push_back(page);
-    for (int64_t slot = page * page_size; slot < (page + 1) * page_size; ++slot) {
+    // Runs of one page are common: their slots are read once.
+    if (previous != 0 && page.page(indices[i]) == previous) continue;
+    previous = full_->page_of("indices", indices[i]);
+    claimed_full_pages_.push_back(previous);
+    for (int64_t slot = previous * page.size; slot < (previous + 1) * page.size; ++slot) {
       const int64_t swa_slot = mapping_[slot];
-      if (swa_slot > 0) swa_->claim("indices", swa_->page_of("indices", swa_slot), true);
+      // The slots of a full page map to few SWA pages, each a repeat claim after its first.
+      if (swa_slot <= 0 || (previous_swa != 0 && swa_->geometry().page(swa_slot) == previous_swa)) continue;
+      previous_swa = swa_->page_of("indices", swa_slot);
+      swa_->claim("indices", previous_swa, true);
     }
   }
 }
@@ -346,6 +357,7 @@ void HostHybridStore::claim_swa_of_evicted(const SlotRows& rows, const EvictionP
     for (int64_t u = 0; u < plan.page_begin[j + 1] - plan.page_begin[j]; ++u)
       claim_swa_of_rep("req_to_token", rows.at(plan.row[j], plan.evicted[j] + u * page_size));
   // Each request's pages, claimed in batch order, go where the plan releases them.
+  if (std::equal(plan.release_offset.begin(), plan.release_offset.end(), plan.page_begin.begin())) return;
   std::vector<int64_t>& claimed = swa_->claimed();
   std::vector<int64_t> placed(claimed.size());
   for (int64_t j = 0; j < plan.num_due(); ++j)

@@ -111,6 +111,8 @@ EvictionPlan plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, 
   if (window < 1) fail("window", "must be >= 1, got ", window);
   if (interval < 1) fail("interval", "must be >= 1, got ", interval);
   EvictionPlan plan;
+  for (std::vector<int64_t>* v : {&plan.row, &plan.evicted, &plan.page_begin, &plan.release_offset})
+    v->reserve(static_cast<size_t>(bs + 1));
   for (int64_t j = 0; j < bs; ++j) {
     const int64_t row = rows[j], pre_len = pre_lens[j], evicted = evicted_seqlens[j];
     if (row < 0 || row >= num_rows) fail("rows", "entry ", j, " (", row, ") is outside [0, ", num_rows, ")");
