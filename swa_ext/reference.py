@@ -95,11 +95,32 @@ def _check_same_length(**lists) -> None:
 
 
 # --------------------------------------------------------------------------
+# page-layout rules (SPEC section 1), shared by the pools and the hybrid allocator
+
+
+def _continues_page(prefix_len: int, seq_len: int, page_size: int) -> bool:
+    """Whether a request's new tokens start inside its prefix's partial last page."""
+    return min(seq_len, cdiv(prefix_len, page_size) * page_size) > prefix_len
+
+
+def _new_pages_extend(prefix_lens: list[int], seq_lens: list[int], page_size: int) -> int:
+    """The pages alloc_extend takes from the free list for a batch."""
+    return sum(cdiv(s, page_size) - cdiv(p, page_size) for p, s in zip(prefix_lens, seq_lens))
+
+
+# --------------------------------------------------------------------------
 # one pool
 
 
 class _PoolRef:
-    """What the token pool and the page pool share: page bookkeeping and checks."""
+    """What the token pool and the page pool share: page bookkeeping and checks.
+
+    Each change X that can be refused as an error (alloc_extend, alloc_decode,
+    free, free_page_ids, free_segment) has a check-only twin check_X: it raises
+    what X would raise and changes nothing, so that the hybrid allocator can
+    check both of its pools before it changes either. Their `what` names the
+    caller's call in the message.
+    """
 
     def __init__(self, size: int, page_size: int, need_sort: bool = False):
         size = _int(size, "size")
@@ -135,6 +156,10 @@ class _PoolRef:
             }
         )
 
+    @property
+    def is_not_in_free_group(self) -> bool:
+        return not self._in_group
+
     def available_size(self) -> int:
         return (len(self.free_pages) + len(self.release_pages)) * self.page_size
 
@@ -155,31 +180,14 @@ class _PoolRef:
         )
         return page
 
-    def _check_tokens_in_range(self, indices: list[int], what: str) -> None:
-        for i in indices:
+    def check_tokens_in_range(self, indices, what: str = "indices") -> None:
+        """Every index is a token of pages 1..num_pages (page 0 is the padding page)."""
+        for i in _ints(indices, what):
             self._page_of(i, what)
 
     def _check_pages_in_range(self, pages: list[int], what: str) -> None:
         for p in pages:
             _require(1 <= p <= self.num_pages, f"{what}: page {p} outside 1..{self.num_pages}")
-
-    def _check_can_free_tokens(self, indices: list[int], queued_ok: bool, what: str) -> None:
-        """free(indices) names each page it touches; the page must be held.
-
-        ``queued_ok``: the page may already be queued by an earlier free(indices)
-        of the same group, since the group's end frees the union (paged pools).
-        """
-        self._check_tokens_in_range(indices, what)
-        self._check_token_pages_freeable(indices, queued_ok, what)
-
-    def _check_can_free_pages(self, pages: list[int], what: str) -> None:
-        """free_page_ids(pages) releases each page as given: each once, each held."""
-        self._check_pages_in_range(pages, what)
-        seen = set()
-        for p in pages:
-            _require(p not in seen, f"{what}: page {p} named twice (double free)")
-            seen.add(p)
-            _require(self._state[p] == HELD, f"{what}: page {p} is {self._state[p]}, not held (double free)")
 
     def _check_alloc_rows(self, prefix_lens, seq_lens, last_loc, what: str) -> None:
         """Per request: 0 <= prefix <= seq, and last_loc is the prefix's last token.
@@ -200,9 +208,36 @@ class _PoolRef:
                 last % ps == (pre - 1) % ps,
                 f"{what}: last_loc {last} is at page offset {last % ps}, prefix {pre} ends at offset {(pre - 1) % ps}",
             )
-            continues_page = min(seq, cdiv(pre, ps) * ps) > pre
-            if continues_page:
+            if _continues_page(pre, seq, ps):
                 _require(self._state[page] == HELD, f"{what}: last_loc {last} is in page {page}, which is {self._state[page]}")
+
+    def check_alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens,
+                           what: str = "alloc_extend") -> None:
+        prefix_lens = _ints(prefix_lens, f"{what}: prefix_lens")
+        seq_lens = _ints(seq_lens, f"{what}: seq_lens")
+        last_loc = _ints(last_loc, f"{what}: last_loc")
+        ext = _int(extend_num_tokens, f"{what}: extend_num_tokens")
+        self._check_alloc_rows(prefix_lens, seq_lens, last_loc, what)
+        _require(ext == sum(s - p for p, s in zip(prefix_lens, seq_lens)),
+                 f"{what}: extend_num_tokens {ext} != sum(seq - prefix)")
+
+    def check_alloc_decode(self, seq_lens, last_loc, what: str = "alloc_decode") -> None:
+        seq_lens = _ints(seq_lens, f"{what}: seq_lens")
+        last_loc = _ints(last_loc, f"{what}: last_loc")
+        _check_same_length(seq_lens=seq_lens, last_loc=last_loc)
+        _require(all(s >= 1 for s in seq_lens), f"{what}: seq_lens must be >= 1")
+        # A decode step is an extend by one token over a prefix of seq - 1.
+        self._check_alloc_rows([s - 1 for s in seq_lens], seq_lens, last_loc, what)
+
+    def check_free(self, indices, what: str = "free") -> None:
+        """free(indices) names each page it touches; the page must be held.
+
+        In an open group a paged pool's page may already be queued by an earlier
+        free(indices), since the group's end frees the union.
+        """
+        indices = _ints(indices, f"{what}: indices")
+        self.check_tokens_in_range(indices, what)
+        self._check_token_pages_freeable(indices, queued_ok=self._in_group, what=what)
 
     # ---- group (section 3)
 
@@ -212,31 +247,29 @@ class _PoolRef:
         self._group_tokens = []
         self._group_pages = []
 
-    def free_group_end(self) -> None:
+    def free_group_end(self, page_ids_first: bool = False) -> None:
+        """One free over all queued index lists, then the queued pages in call order
+        (section 3); page_ids_first swaps the two, as the hybrid allocator ends its
+        SWA pool's group (section 4)."""
         _require(self._in_group, "free_group_end: no free group is open")
         tokens, pages = self._group_tokens, self._group_pages
         self._in_group = False
         self._group_tokens = []
         self._group_pages = []
-        # One free over all queued index lists, then the queued pages in call order.
-        self._free_tokens_now(tokens)
-        self._release(pages)
+        if page_ids_first:
+            self._release(pages)
+            self._free_tokens_now(tokens)
+        else:
+            self._free_tokens_now(tokens)
+            self._release(pages)
 
-    # ---- primitives used by the hybrid too (no checks: callers check first)
+    # ---- primitives (no checks: callers check first)
 
     def _take(self, n: int) -> list[int]:
         pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
         for p in pages:
             self._state[p] = HELD
         return pages
-
-    def _queue_tokens(self, indices: list[int]) -> None:
-        for i in indices:
-            self._state[i // self.page_size] = QUEUED_TOKENS
-
-    def _queue_pages(self, pages: list[int]) -> None:
-        for p in pages:
-            self._state[p] = QUEUED_PAGE
 
     def _release(self, pages: list[int]) -> None:
         raise NotImplementedError
@@ -251,9 +284,10 @@ class _PoolRef:
 
     def free(self, indices) -> None:
         indices = _ints(indices, "free: indices")
-        self._check_can_free_tokens(indices, queued_ok=self._in_group, what="free")
+        self.check_free(indices)
         if self._in_group:
-            self._queue_tokens(indices)
+            for i in indices:
+                self._state[i // self.page_size] = QUEUED_TOKENS
             self._group_tokens.extend(indices)
         else:
             self._free_tokens_now(indices)
@@ -285,8 +319,15 @@ class TokenPoolRef(_PoolRef):
     def _free_tokens_now(self, indices: list[int]) -> None:
         self._release(indices)
 
+    def check_free_page_ids(self, pages, what: str = "free_page_ids") -> None:
+        self.check_free(pages, what)
+
     def free_page_ids(self, pages) -> None:
         self.free(pages)
+
+    def check_free_segment(self, indices, start_pos=0, what: str = "free_segment") -> None:
+        _int(start_pos, f"{what}: start_pos")
+        self.check_free(indices, what)
 
     def free_segment(self, indices, start_pos=0) -> None:
         _int(start_pos, "free_segment: start_pos")
@@ -306,17 +347,14 @@ class TokenPoolRef(_PoolRef):
         seq_lens = _ints(seq_lens, "alloc_extend: seq_lens")
         last_loc = _ints(last_loc, "alloc_extend: last_loc")
         ext = _int(extend_num_tokens, "alloc_extend: extend_num_tokens")
-        self._check_alloc_rows(prefix_lens, seq_lens, last_loc, "alloc_extend")
-        _require(ext == sum(s - p for p, s in zip(prefix_lens, seq_lens)),
-                 f"alloc_extend: extend_num_tokens {ext} != sum(seq - prefix)")
+        self.check_alloc_extend(prefix_lens, seq_lens, last_loc, ext)
         # Page size 1: the paged layout degenerates to fresh tokens from the head.
         return self.alloc(ext)
 
     def alloc_decode(self, seq_lens, last_loc) -> list[int] | None:
         seq_lens = _ints(seq_lens, "alloc_decode: seq_lens")
         last_loc = _ints(last_loc, "alloc_decode: last_loc")
-        _require(all(s >= 1 for s in seq_lens), "alloc_decode: seq_lens must be >= 1")
-        self._check_alloc_rows([s - 1 for s in seq_lens], seq_lens, last_loc, "alloc_decode")
+        self.check_alloc_decode(seq_lens, last_loc)
         return self.alloc(len(seq_lens))
 
 
@@ -354,24 +392,39 @@ class PagePoolRef(_PoolRef):
     def _segment_pages(self, indices: list[int], start_pos: int, what: str) -> list[int]:
         _require(start_pos >= 0 and start_pos % self.page_size == 0,
                  f"{what}: start_pos {start_pos} is not page-aligned (page size {self.page_size})")
-        self._check_tokens_in_range(indices, what)
+        self.check_tokens_in_range(indices, what)
         # Every ps-th index represents one page.
         return [i // self.page_size for i in indices[:: self.page_size]]
 
+    def check_free_page_ids(self, pages, what: str = "free_page_ids") -> None:
+        """free_page_ids(pages) releases each page as given: each once, each held."""
+        pages = _ints(pages, f"{what}: pages")
+        self._check_pages_in_range(pages, what)
+        seen = set()
+        for p in pages:
+            _require(p not in seen, f"{what}: page {p} named twice (double free)")
+            seen.add(p)
+            _require(self._state[p] == HELD, f"{what}: page {p} is {self._state[p]}, not held (double free)")
+
     def free_page_ids(self, pages) -> None:
         pages = _ints(pages, "free_page_ids: pages")
-        self._check_can_free_pages(pages, "free_page_ids")
+        self.check_free_page_ids(pages)
         if self._in_group:
-            self._queue_pages(pages)
+            for p in pages:
+                self._state[p] = QUEUED_PAGE
             self._group_pages.extend(pages)
         else:
             self._release(pages)
 
+    def check_free_segment(self, indices, start_pos=0, what: str = "free_segment") -> None:
+        indices = _ints(indices, f"{what}: indices")
+        start_pos = _int(start_pos, f"{what}: start_pos")
+        self.check_free_page_ids(self._segment_pages(indices, start_pos, what), what)
+
     def free_segment(self, indices, start_pos=0) -> None:
         indices = _ints(indices, "free_segment: indices")
         start_pos = _int(start_pos, "free_segment: start_pos")
-        pages = self._segment_pages(indices, start_pos, "free_segment")
-        self.free_page_ids(pages)
+        self.free_page_ids(self._segment_pages(indices, start_pos, "free_segment"))
 
     def alloc(self, need_size) -> list[int] | None:
         need_size = _int(need_size, "alloc: need_size")
@@ -384,29 +437,15 @@ class PagePoolRef(_PoolRef):
             return None
         return self._tokens_of(self._take(n))
 
-    # -- alloc_extend
-
-    def _check_extend(self, prefix_lens, seq_lens, last_loc, ext, what="alloc_extend") -> None:
-        self._check_alloc_rows(prefix_lens, seq_lens, last_loc, what)
-        _require(ext == sum(s - p for p, s in zip(prefix_lens, seq_lens)),
-                 f"{what}: extend_num_tokens {ext} != sum(seq - prefix)")
-
-    def _new_pages_extend(self, prefix_lens, seq_lens) -> int:
-        ps = self.page_size
-        return sum(cdiv(s, ps) - cdiv(p, ps) for p, s in zip(prefix_lens, seq_lens))
-
     def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens) -> list[int] | None:
         prefix_lens = _ints(prefix_lens, "alloc_extend: prefix_lens")
         seq_lens = _ints(seq_lens, "alloc_extend: seq_lens")
         last_loc = _ints(last_loc, "alloc_extend: last_loc")
         ext = _int(extend_num_tokens, "alloc_extend: extend_num_tokens")
-        self._check_extend(prefix_lens, seq_lens, last_loc, ext)
-        return self._alloc_extend(prefix_lens, seq_lens, last_loc, ext)
-
-    def _alloc_extend(self, prefix_lens, seq_lens, last_loc, ext) -> list[int] | None:
+        self.check_alloc_extend(prefix_lens, seq_lens, last_loc, ext)
         ps = self.page_size
         bs = len(seq_lens)
-        need = self._new_pages_extend(prefix_lens, seq_lens)
+        need = _new_pages_extend(prefix_lens, seq_lens, ps)
         # Merge on a cheap upper bound of the pages needed, not on `need` itself.
         if ext // ps + bs + 1 > len(self.free_pages):
             self.merge_and_sort_free()
@@ -434,21 +473,10 @@ class PagePoolRef(_PoolRef):
                 out.extend(range(mine[-1] * ps, mine[-1] * ps + n3))
         return out
 
-    # -- alloc_decode
-
-    def _check_decode(self, seq_lens, last_loc, what="alloc_decode") -> None:
-        _check_same_length(seq_lens=seq_lens, last_loc=last_loc)
-        _require(all(s >= 1 for s in seq_lens), f"{what}: seq_lens must be >= 1")
-        # A decode step is an extend by one token over a prefix of seq - 1.
-        self._check_alloc_rows([s - 1 for s in seq_lens], seq_lens, last_loc, what)
-
     def alloc_decode(self, seq_lens, last_loc) -> list[int] | None:
         seq_lens = _ints(seq_lens, "alloc_decode: seq_lens")
         last_loc = _ints(last_loc, "alloc_decode: last_loc")
-        self._check_decode(seq_lens, last_loc)
-        return self._alloc_decode(seq_lens, last_loc)
-
-    def _alloc_decode(self, seq_lens, last_loc) -> list[int] | None:
+        self.check_alloc_decode(seq_lens, last_loc)
         ps = self.page_size
         # Merge on the batch size (every request might need a page).
         if len(seq_lens) > len(self.free_pages):
@@ -466,7 +494,12 @@ class PagePoolRef(_PoolRef):
 
 
 class SWAAllocatorRef:
-    """Full pool + SWA pool + the full-to-SWA token mapping (SPEC section 4)."""
+    """Full pool + SWA pool + the full-to-SWA token mapping (SPEC section 4).
+
+    It uses its pools through their public methods only. A call that changes
+    both pools (or the mapping and a pool) first runs the pools' check_X twins
+    of every change it will make, so that a refused call changes nothing.
+    """
 
     def __init__(self, size: int, size_swa: int, page_size: int, need_sort: bool = False):
         size = _int(size, "size")
@@ -492,18 +525,12 @@ class SWAAllocatorRef:
         self.swa_attn_allocator.clear()
         # The last entry is a sentinel: mapping[-1] == -1, so last_loc -1 translates to -1.
         self.full_to_swa_index_mapping = [0] * (self._size_full + self.page_size) + [-1]
-        self._in_group = False
-        self._held_swa_pages = []  # from free_swa_segment while grouped
-        self._held_swa_values = []  # from free_swa while grouped
 
     def snapshot(self) -> dict:
         return {
             "full": self.full_attn_allocator.snapshot(),
             "swa": self.swa_attn_allocator.snapshot(),
             "mapping": list(self.full_to_swa_index_mapping),
-            "in_group": self._in_group,
-            "held_swa_pages": list(self._held_swa_pages),
-            "held_swa_values": list(self._held_swa_values),
         }
 
     @property
@@ -534,9 +561,6 @@ class SWAAllocatorRef:
 
     # ---- mapping
 
-    def _check_full_tokens(self, indices: list[int], what: str) -> None:
-        self.full_attn_allocator._check_tokens_in_range(indices, what)
-
     def translate_loc_from_full_to_swa(self, indices) -> list[int]:
         indices = _ints(indices, "translate: indices")
         last = len(self.full_to_swa_index_mapping) - 1
@@ -548,16 +572,14 @@ class SWAAllocatorRef:
         full = _ints(full, "set_full_to_swa_mapping: full")
         swa = _ints(swa, "set_full_to_swa_mapping: swa")
         _check_same_length(full=full, swa=swa)
-        self._check_full_tokens(full, "set_full_to_swa_mapping: full")
-        for v in swa:
-            if v != 0:
-                self.swa_attn_allocator._page_of(v, "set_full_to_swa_mapping: swa")
+        self.full_attn_allocator.check_tokens_in_range(full, "set_full_to_swa_mapping: full")
+        self.swa_attn_allocator.check_tokens_in_range([v for v in swa if v != 0], "set_full_to_swa_mapping: swa")
         for f, s in zip(full, swa):
             self.full_to_swa_index_mapping[f] = s
 
     def clear_full_to_swa_mapping(self, full) -> None:
         full = _ints(full, "clear_full_to_swa_mapping: full")
-        self._check_full_tokens(full, "clear_full_to_swa_mapping: full")
+        self.full_attn_allocator.check_tokens_in_range(full, "clear_full_to_swa_mapping: full")
         for f in full:
             self.full_to_swa_index_mapping[f] = 0
 
@@ -565,17 +587,22 @@ class SWAAllocatorRef:
         for f, s in zip(full, swa):
             self.full_to_swa_index_mapping[f] = s
 
-    def _swa_last_loc(self, last_loc: list[int]) -> list[int]:
-        return [self.full_to_swa_index_mapping[i] for i in last_loc]
+    def _swa_rows(self, prefix_lens, seq_lens, swa_last_loc) -> tuple[list[int], list[int], list[int]]:
+        """The batch as the SWA pool is asked for it: (prefix_lens, seq_lens, last_loc).
 
-    def _check_swa_continuations(self, pre, seq, swa_last, what: str) -> None:
-        """Rows that continue a partial page continue it in the SWA pool too, so
-        the prefix's last token must have a live SWA peer there. Other rows
-        never read their SWA last_loc (it may be 0 after eviction)."""
+        A request that continues its prefix's partial page continues it in the
+        SWA pool too, from its SWA last_loc, which must be live there. Any other
+        request never reads its last_loc (0 once its SWA peer is evicted); to the
+        pool it is a fresh request for its seq - prefix new tokens, which takes
+        the same new pages and lays them out the same way.
+        """
         ps = self.page_size
-        rows = [j for j in range(len(seq)) if min(seq[j], cdiv(pre[j], ps) * ps) > pre[j]]
-        self.swa_attn_allocator._check_alloc_rows(
-            [pre[j] for j in rows], [seq[j] for j in rows], [swa_last[j] for j in rows], f"{what} (SWA side)")
+        continues = [_continues_page(p, s, ps) for p, s in zip(prefix_lens, seq_lens)]
+        return (
+            [p if c else 0 for p, c in zip(prefix_lens, continues)],
+            [s if c else s - p for p, s, c in zip(prefix_lens, seq_lens, continues)],
+            [last if c else -1 for last, c in zip(swa_last_loc, continues)],
+        )
 
     # ---- allocation
 
@@ -592,7 +619,7 @@ class SWAAllocatorRef:
         return full
 
     def _lengths(self, what, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, ext):
-        """Converted inputs; the device and CPU copies must agree."""
+        """Converted inputs, checked for the full pool; the device and CPU copies must agree."""
         pre = _ints(prefix_lens, f"{what}: prefix_lens")
         pre_cpu = _ints(prefix_lens_cpu, f"{what}: prefix_lens_cpu")
         seq = _ints(seq_lens, f"{what}: seq_lens")
@@ -601,25 +628,25 @@ class SWAAllocatorRef:
         ext = _int(ext, f"{what}: extend_num_tokens")
         _require(pre == pre_cpu, f"{what}: prefix_lens and prefix_lens_cpu differ")
         _require(seq == seq_cpu, f"{what}: seq_lens and seq_lens_cpu differ")
-        self.full_attn_allocator._check_alloc_rows(pre, seq, last, what)
-        _require(ext == sum(s - p for p, s in zip(pre, seq)),
-                 f"{what}: extend_num_tokens {ext} != sum(seq - prefix)")
+        self.full_attn_allocator.check_alloc_extend(pre, seq, last, ext, what)
         return pre, seq, last, ext
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
                      last_loc, extend_num_tokens) -> list[int] | None:
-        pre, seq, last, ext = self._lengths("alloc_extend", prefix_lens, prefix_lens_cpu,
+        what = "alloc_extend"
+        pre, seq, last, ext = self._lengths(what, prefix_lens, prefix_lens_cpu,
                                             seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
         if self.page_size == 1:
             return self.alloc(ext)
-        swa_last = self._swa_last_loc(last)
-        self._check_swa_continuations(pre, seq, swa_last, "alloc_extend")
+        full_pool, swa_pool = self.full_attn_allocator, self.swa_attn_allocator
+        swa_pre, swa_seq, swa_last = self._swa_rows(pre, seq, self.translate_loc_from_full_to_swa(last))
+        swa_pool.check_alloc_extend(swa_pre, swa_seq, swa_last, ext, f"{what} (SWA side)")
 
-        n = self.full_attn_allocator._new_pages_extend(pre, seq)
+        n = _new_pages_extend(pre, seq, self.page_size)
         if not self.new_pages_available(n, n):
             return None
-        full = self.full_attn_allocator._alloc_extend(pre, seq, last, ext)
-        swa = self.swa_attn_allocator._alloc_extend(pre, seq, swa_last, ext)
+        full = full_pool.alloc_extend(pre, seq, last, ext)
+        swa = swa_pool.alloc_extend(swa_pre, swa_seq, swa_last, ext)
         self._map(full, swa)
         return full
 
@@ -639,14 +666,14 @@ class SWAAllocatorRef:
             full = full_pool.alloc(ext)
             swa = swa_pool.alloc(tail)
         else:
-            nf = full_pool._new_pages_extend(pre, seq)
+            nf = _new_pages_extend(pre, seq, self.page_size)
             ns = cdiv(tail, self.page_size)
             if not self.new_pages_available(nf, ns):
                 return None
-            full = full_pool._alloc_extend(pre, seq, last, ext)
+            full = full_pool.alloc_extend(pre, seq, last, ext)
             if tail == 0:
                 return full
-            swa = swa_pool._alloc_extend([0], [tail], [-1], tail)
+            swa = swa_pool.alloc_extend([0], [tail], [-1], tail)
         # Only the last `tail` tokens get SWA KV; the head has none.
         head = len(full) - tail
         self._map(full[head:], swa)
@@ -659,26 +686,28 @@ class SWAAllocatorRef:
         seq_cpu = _ints(seq_lens_cpu, f"{what}: seq_lens_cpu")
         last = _ints(last_loc, f"{what}: last_loc")
         _require(seq == seq_cpu, f"{what}: seq_lens and seq_lens_cpu differ")
-        if self.page_size == 1:
-            _check_same_length(seq_lens=seq, last_loc=last)
-            _require(all(s >= 1 for s in seq), f"{what}: seq_lens must be >= 1")
-            self.full_attn_allocator._check_alloc_rows([s - 1 for s in seq], seq, last, what)
-            return self.alloc(len(seq))
         full_pool, swa_pool = self.full_attn_allocator, self.swa_attn_allocator
-        full_pool._check_decode(seq, last)
-        swa_last = self._swa_last_loc(last)
-        self._check_swa_continuations([s - 1 for s in seq], seq, swa_last, what)
+        full_pool.check_alloc_decode(seq, last, what)
+        if self.page_size == 1:
+            return self.alloc(len(seq))
+        # A decode step extends each request by one token over a prefix of seq - 1.
+        _, swa_seq, swa_last = self._swa_rows([s - 1 for s in seq], seq, self.translate_loc_from_full_to_swa(last))
+        swa_pool.check_alloc_decode(swa_seq, swa_last, f"{what} (SWA side)")
 
         # Atomic: both pools are checked before either is touched.
         need = sum(1 for s in seq if s % self.page_size == 1)
         if not self.new_pages_available(need, need):
             return None
-        full = full_pool._alloc_decode(seq, last)
-        swa = swa_pool._alloc_decode(seq, swa_last)
+        full = full_pool.alloc_decode(seq, last)
+        swa = swa_pool.alloc_decode(swa_seq, swa_last)
         self._map(full, swa)
         return full
 
     # ---- frees
+    # Each free checks every pool it frees from (and the mapping) first, then
+    # changes them. While a group is open the SWA pool's own group holds the
+    # SWA-side frees (SPEC section 4's two lists: its page ids and its free()
+    # indices); the mapping is cleared at call time.
 
     def _swa_values_of(self, indices: list[int]) -> tuple[list[int], list[int]]:
         """free_swa's view: every full token of the indices' pages, and their SWA peers."""
@@ -688,44 +717,35 @@ class SWAAllocatorRef:
         return tokens, [v for v in values if v > 0]
 
     def _check_free_swa(self, indices: list[int], what: str) -> None:
-        self._check_full_tokens(indices, what)
+        self.full_attn_allocator.check_tokens_in_range(indices, what)
         _, values = self._swa_values_of(indices)
-        self.swa_attn_allocator._check_can_free_tokens(values, queued_ok=self._in_group, what=f"{what} (SWA side)")
+        self.swa_attn_allocator.check_free(values, f"{what} (SWA side)")
 
     def _apply_free_swa(self, indices: list[int]) -> None:
         tokens, values = self._swa_values_of(indices)
         for t in tokens:
             self.full_to_swa_index_mapping[t] = 0
-        if self._in_group:
-            self.swa_attn_allocator._queue_tokens(values)
-            self._held_swa_values.extend(values)
-        else:
-            self.swa_attn_allocator._free_tokens_now(values)
+        self.swa_attn_allocator.free(values)
 
     def _swa_segment_pages(self, indices: list[int], start_pos: int, what: str) -> tuple[list[int], list[int]]:
         """(full tokens whose mapping is cleared, SWA pages to release); checks everything."""
         ps = self.page_size
         _require(start_pos >= 0 and start_pos % ps == 0,
                  f"{what}: start_pos {start_pos} is not page-aligned (page size {ps})")
-        self._check_full_tokens(indices, what)
+        self.full_attn_allocator.check_tokens_in_range(indices, what)
         reps = indices[::ps]
         values = [self.full_to_swa_index_mapping[r] for r in reps]
         for r, v in zip(reps, values):
             _require(v > 0, f"{what}: full index {r} has no SWA peer (already freed or evicted)")
         pages = [v // ps for v in values]
-        self.swa_attn_allocator._check_can_free_pages(pages, f"{what} (SWA side)")
+        self.swa_attn_allocator.check_free_page_ids(pages, f"{what} (SWA side)")
         tokens = [(r // ps) * ps + k for r in reps for k in range(ps)]
         return tokens, pages
 
     def _apply_free_swa_segment(self, tokens: list[int], pages: list[int]) -> None:
         for t in tokens:
             self.full_to_swa_index_mapping[t] = 0
-        swa_pool = self.swa_attn_allocator
-        if self._in_group:
-            swa_pool._queue_pages(pages)
-            self._held_swa_pages.extend(pages)
-        else:
-            swa_pool._release(pages)
+        self.swa_attn_allocator.free_page_ids(pages)
 
     def free_swa(self, indices) -> None:
         indices = _ints(indices, "free_swa: indices")
@@ -754,7 +774,7 @@ class SWAAllocatorRef:
             tokens, pages = self._swa_segment_pages(indices, 0, "free")
         else:
             self._check_free_swa(indices, "free")
-        full_pool._check_can_free_tokens(indices, queued_ok=full_pool._in_group, what="free (full side)")
+        full_pool.check_free(indices, "free (full side)")
         if self.page_size == 1:
             self._apply_free_swa_segment(tokens, pages)
         else:
@@ -766,34 +786,25 @@ class SWAAllocatorRef:
         start_pos = _int(start_pos, "free_segment: start_pos")
         full_pool = self.full_attn_allocator
         tokens, swa_pages = self._swa_segment_pages(indices, start_pos, "free_segment")
-        if self.page_size == 1:
-            full_pool._check_can_free_tokens(indices, queued_ok=False, what="free_segment (full side)")
-        else:
-            full_pages = full_pool._segment_pages(indices, start_pos, "free_segment (full side)")
-            full_pool._check_can_free_pages(full_pages, "free_segment (full side)")
+        full_pool.check_free_segment(indices, start_pos, "free_segment (full side)")
         self._apply_free_swa_segment(tokens, swa_pages)
         full_pool.free_segment(indices, start_pos)
 
     # ---- groups
 
     def free_group_begin(self) -> None:
-        _require(not self._in_group, "free_group_begin: a free group is already open")
-        self.full_attn_allocator.free_group_begin()
-        self._in_group = True
-        self._held_swa_pages = []
-        self._held_swa_values = []
+        pools = (self.full_attn_allocator, self.swa_attn_allocator)
+        _require(all(pool.is_not_in_free_group for pool in pools), "free_group_begin: a free group is already open")
+        for pool in pools:
+            pool.free_group_begin()
 
     def free_group_end(self) -> None:
-        _require(self._in_group, "free_group_end: no free group is open")
-        pages, values = self._held_swa_pages, self._held_swa_values
-        self._in_group = False
-        self._held_swa_pages = []
-        self._held_swa_values = []
-        # SWA segment pages first, then free_swa's values, then the full pool's group.
-        swa_pool = self.swa_attn_allocator
-        swa_pool._release(pages)
-        swa_pool._free_tokens_now([v for v in values if v > 0])
-        self.full_attn_allocator.free_group_end()
+        full_pool, swa_pool = self.full_attn_allocator, self.swa_attn_allocator
+        _require(not (full_pool.is_not_in_free_group or swa_pool.is_not_in_free_group),
+                 "free_group_end: no free group is open")
+        # The SWA side first, its page ids before free_swa's indices; then the full pool's group.
+        swa_pool.free_group_end(page_ids_first=True)
+        full_pool.free_group_end()
 
 
 # --------------------------------------------------------------------------
