@@ -259,6 +259,11 @@ def evict_out_of_window(allocator, req_to_token, rows, pre_lens, evicted_seqlens
     in batch order; the batch is validated first and a bad one (ValueError or
     TypeError) changes nothing.
     """
+    if (type(rows) is torch.Tensor and type(pre_lens) is torch.Tensor and type(evicted_seqlens) is torch.Tensor
+            and type(window) is int and type(interval) is int and type(prefix_sharing) is bool):
+        # Every decode step calls this: the native call checks tensors and values itself.
+        return allocator.evict_out_of_window(req_to_token, rows, pre_lens, evicted_seqlens, window, interval,
+                                             prefix_sharing)
     return allocator.evict_out_of_window(
         req_to_token, _cpu_lengths(rows, "rows"), _cpu_lengths(pre_lens, "pre_lens"),
         _cpu_lengths(evicted_seqlens, "evicted_seqlens"), _window(window),

@@ -74,7 +74,9 @@ void PagePool::merge() {
 }
 
 void PagePool::take(int64_t n) {
-  for (int64_t k = 0; k < n; ++k) state_[page_at(k)] = PageState::kHeld;
+  head_ranges(n, [this](const int64_t* first, const int64_t* last) {
+    for (const int64_t* p = first; p != last; ++p) state_[*p] = PageState::kHeld;
+  });
   head_ += n;
   if (head_ >= num_pages_) head_ -= num_pages_;
   free_count_ -= n;
@@ -87,7 +89,8 @@ void PagePool::validate_batch(const BatchLengths& batch, const LastLoc& last_loc
 void PagePool::write_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call,
                            OutBuffer& out) {
   const int64_t* last = last_loc.data;
-  write_slots(batch, [last](int64_t j) { return last != nullptr ? last[j] : int64_t{-1}; }, out.get(plan.num_tokens));
+  write_slots(batch, plan.num_tokens, [last](int64_t j) { return last != nullptr ? last[j] : int64_t{-1}; },
+              out.get(plan.num_tokens));
   take(plan.full_pages);
 }
 
@@ -102,26 +105,16 @@ void PagePool::check_last_loc(const BatchLengths& batch, const LastLoc& last_loc
   }
 }
 
-int64_t PagePool::page_of(const char* arg, int64_t index) const {
-  if (!slot_in_pool(index, geometry_, num_pages_))
-    fail(arg, "index ", index, " is outside the pool's slots [", geometry_.size, ", ", index_end(),
-         ") (page 0 is the padding page)");
-  return geometry_.page(index);
+void PagePool::refuse_slot(const char* arg, int64_t index) const {
+  fail(arg, "index ", index, " is outside the pool's slots [", geometry_.size, ", ", index_end(),
+       ") (page 0 is the padding page)");
 }
 
-void PagePool::claim(const char* arg, int64_t page, bool repeat_ok) {
-  PageState& s = state_[page];
-  if (s == PageState::kHeld) {
-    s = PageState::kClaimed;
-    claimed_.push_back(page);
-    return;
-  }
-  if (repeats_a_claim(s, repeat_ok)) return;
-  fail(arg, "page ", page, claim_refusal(s));
-}
+void PagePool::refuse_claim(const char* arg, int64_t page) const { fail(arg, "page ", page, claim_refusal(state_[page])); }
 
 void PagePool::claim_slots(Span indices, Call) {
   const bool repeat_ok = !token_mode();
+  if (!repeat_ok) claimed_.reserve(claimed_.size() + static_cast<size_t>(indices.size));
   int64_t previous = 0;  // none yet: page 0 holds no slot of the pool
   for (int64_t i = 0; i < indices.size; ++i) {
     // A run of slots in one page (the usual case) is one claim: a slot of a page that
@@ -133,6 +126,7 @@ void PagePool::claim_slots(Span indices, Call) {
 }
 
 void PagePool::claim_segment(Span indices, Call) {
+  claimed_.reserve(claimed_.size() + static_cast<size_t>(geometry_.pages_for(indices.size)));
   // Every page_size-th index stands for its page.
   for (int64_t i = 0; i < indices.size; i += geometry_.size) claim("indices", page_of("indices", indices[i]), false);
 }
@@ -281,19 +275,19 @@ void HostHybridStore::write_batch(const AllocPlan& plan, const BatchLengths& bat
   int64_t* full_slots = out.get(plan.num_tokens);
   const int64_t* last = last_loc.data;
   const auto full_end = [last](int64_t j) { return last != nullptr ? last[j] : int64_t{-1}; };
-  full_->write_slots(batch, full_end, full_slots);
+  full_->write_slots(batch, plan.num_tokens, full_end, full_slots);
   full_->take(plan.full_pages);
   swa_slots_.resize(static_cast<size_t>(plan.swa_tokens));
   if (swa_continues_prefix(plan.call)) {
     const auto swa_end = [&](int64_t j) { return full_end(j) < 0 ? int64_t{-1} : mapping_[full_end(j)]; };
-    swa_->write_slots(batch, swa_end, swa_slots_.data());
+    swa_->write_slots(batch, plan.num_tokens, swa_end, swa_slots_.data());
     write_mapping(full_slots, swa_slots_.data(), plan.num_tokens);
   } else {  // the SWA tail: the head gets no SWA slot, the tail fresh SWA pages
     const int64_t head_len = plan.swa_head_len();
     for (int64_t i = 0; i < head_len; ++i) mapping_[full_slots[i]] = 0;
     const int64_t zero = 0;
     const BatchLengths tail{Span(&zero, 1), Span(&plan.swa_tokens, 1), false};
-    swa_->write_slots(tail, [](int64_t) { return int64_t{-1}; }, swa_slots_.data());
+    swa_->write_slots(tail, plan.swa_tokens, [](int64_t) { return int64_t{-1}; }, swa_slots_.data());
     write_mapping(full_slots + head_len, swa_slots_.data(), plan.swa_tokens);
   }
   swa_->take(plan.swa_pages);
@@ -338,24 +332,28 @@ void HostHybridStore::claim_swa_of_pages(Span indices, Call) {
   }
 }
 
-void HostHybridStore::claim_swa_of_rep(const char* arg, int64_t full_slot) {
+int64_t HostHybridStore::claim_swa_of_rep(const char* arg, int64_t full_slot) {
   const int64_t page = full_->page_of(arg, full_slot);
   const int64_t swa_slot = mapping_[full_slot];
   if (swa_slot <= 0) fail(arg, "full slot ", full_slot, kUnmappedRefusal);
   swa_->claim(arg, swa_->page_of(arg, swa_slot), false);
-  claimed_full_pages_.push_back(page);
+  return page;
 }
 
 void HostHybridStore::claim_swa_of_reps(Span indices, Call) {
   const int64_t page_size = full_->geometry().size;
+  swa_->claimed().reserve(swa_->claimed().size() + static_cast<size_t>(full_->geometry().pages_for(indices.size)));
   for (int64_t i = 0; i < indices.size; i += page_size) claim_swa_of_rep("indices", indices[i]);
+  mapped_reps_ = indices;  // their pages' mapping is cleared from the representatives themselves
 }
 
 void HostHybridStore::claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) {
   const int64_t page_size = full_->geometry().size;
+  swa_->claimed().reserve(swa_->claimed().size() + static_cast<size_t>(plan.total_pages()));
+  claimed_full_pages_.reserve(claimed_full_pages_.size() + static_cast<size_t>(plan.total_pages()));
   for (int64_t j = 0; j < plan.num_due(); ++j)
     for (int64_t u = 0; u < plan.page_begin[j + 1] - plan.page_begin[j]; ++u)
-      claim_swa_of_rep("req_to_token", rows.at(plan.row[j], plan.evicted[j] + u * page_size));
+      claimed_full_pages_.push_back(claim_swa_of_rep("req_to_token", rows.at(plan.row[j], plan.evicted[j] + u * page_size)));
   // Each request's pages, claimed in batch order, go where the plan releases them.
   if (std::equal(plan.release_offset.begin(), plan.release_offset.end(), plan.page_begin.begin())) return;
   std::vector<int64_t>& claimed = swa_->claimed();
@@ -370,12 +368,18 @@ void HostHybridStore::undo_claims() {
   full_->undo_claims();
   swa_->undo_claims();
   claimed_full_pages_.clear();
+  mapped_reps_ = Span();
 }
 
 void HostHybridStore::clear_claimed_mapping() {
-  const int64_t page_size = full_->geometry().size;
-  for (int64_t page : claimed_full_pages_) std::fill(mapping_ + page * page_size, mapping_ + (page + 1) * page_size, 0);
+  const PageGeometry& page = full_->geometry();
+  const auto clear_page = [this, &page](int64_t p) {
+    for (int64_t slot = p * page.size; slot < (p + 1) * page.size; ++slot) mapping_[slot] = 0;
+  };
+  for (int64_t p : claimed_full_pages_) clear_page(p);
+  for (int64_t i = 0; i < mapped_reps_.size; i += page.size) clear_page(page.page(mapped_reps_[i]));
   claimed_full_pages_.clear();
+  mapped_reps_ = Span();
 }
 
 void HostHybridStore::clear() {

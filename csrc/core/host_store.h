@@ -4,6 +4,7 @@
 // any pool takes; HostHybridStore holds two of them and the full-to-SWA mapping.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -54,8 +55,11 @@ class PagePool final : public PoolStore {
   // One past the largest token index this pool hands out.
   int64_t index_end() const { return (num_pages_ + 1) * geometry_.size; }
 
-  // Building blocks for the hybrid store.
-  int64_t page_of(const char* arg, int64_t index) const;  // checks the range
+  // Building blocks for the hybrid store; the checks inline, their failures out of line.
+  int64_t page_of(const char* arg, int64_t index) const {  // checks the range
+    if (!slot_in_pool(index, geometry_, num_pages_)) refuse_slot(arg, index);
+    return geometry_.page(index);
+  }
   PageState state(int64_t page) const { return state_[page]; }
   int64_t page_at(int64_t k) const {  // k-th page of the free list
     int64_t pos = head_ + k;
@@ -66,11 +70,19 @@ class PagePool final : public PoolStore {
   // Writes the slots of the batch, new pages taken from the head of the free list in
   // batch order; prefix_end(j) is where request j's prefix ends. Takes nothing.
   template <class PrefixEnd>
-  void write_slots(const BatchLengths& batch, const PrefixEnd& prefix_end, int64_t* out) const;
+  void write_slots(const BatchLengths& batch, int64_t num_tokens, const PrefixEnd& prefix_end, int64_t* out) const;
   void take(int64_t n);  // the first n free pages become held
   // Marks page as claimed by this call; repeat_ok: it may already be (free() frees
   // pages, so several slots of one page are one free).
-  void claim(const char* arg, int64_t page, bool repeat_ok);
+  void claim(const char* arg, int64_t page, bool repeat_ok) {
+    PageState& s = state_[page];
+    if (s == PageState::kHeld) {
+      s = PageState::kClaimed;
+      claimed_.push_back(page);
+    } else if (!repeats_a_claim(s, repeat_ok)) {
+      refuse_claim(arg, page);
+    }
+  }
   std::vector<int64_t>& claimed() { return claimed_; }
 
   // The snapshot's contents.
@@ -84,6 +96,16 @@ class PagePool final : public PoolStore {
   bool operator==(const PagePool& other) const;
 
  private:
+  [[noreturn]] void refuse_slot(const char* arg, int64_t index) const;
+  [[noreturn]] void refuse_claim(const char* arg, int64_t page) const;
+  // Calls visit(first, last) on the free list's first n entries as at most two
+  // contiguous ranges of the ring.
+  template <class Visit>
+  void head_ranges(int64_t n, const Visit& visit) const {
+    const int64_t first = n < num_pages_ - head_ ? n : num_pages_ - head_;
+    visit(ring_.data() + head_, ring_.data() + head_ + first);
+    if (first < n) visit(ring_.data(), ring_.data() + (n - first));
+  }
   void reset_state();
   // Pages into the free list or staging (dest outside a group), in this order.
   void release(const std::vector<int64_t>& pages, Destination dest);
@@ -109,7 +131,12 @@ class PagePool final : public PoolStore {
 };
 
 template <class PrefixEnd>
-void PagePool::write_slots(const BatchLengths& batch, const PrefixEnd& prefix_end, int64_t* out) const {
+void PagePool::write_slots(const BatchLengths& batch, int64_t num_tokens, const PrefixEnd& prefix_end,
+                           int64_t* out) const {
+  if (token_mode()) {  // extend_slot at page size 1: every token takes the next free page, in order
+    head_ranges(num_tokens, [&out](const int64_t* first, const int64_t* last) { out = std::copy(first, last, out); });
+    return;
+  }
   int64_t pos = 0, page_offset = 0;
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j), seq = batch.seq_lens[j];
@@ -163,14 +190,17 @@ class HostHybridStore final : public HybridStore {
  private:
   void reset_mapping();
   void write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n);
-  // Claims the SWA page mapped from full slot full_slot, a page representative.
-  void claim_swa_of_rep(const char* arg, int64_t full_slot);
+  // Claims the SWA page mapped from full slot full_slot, a page representative; returns its full page.
+  int64_t claim_swa_of_rep(const char* arg, int64_t full_slot);
 
   std::shared_ptr<PagePool> full_, swa_;
   int64_t* mapping_;
   int64_t mapping_len_;
   std::vector<int64_t> swa_slots_;         // scratch for the SWA half of an allocation
-  std::vector<int64_t> claimed_full_pages_;  // the full pages whose mapping the claimed free clears
+  // The full pages whose mapping the claimed free clears: listed, or the pages of
+  // page representatives (mapped_reps_[::page_size]).
+  std::vector<int64_t> claimed_full_pages_;
+  Span mapped_reps_;
 };
 
 }  // namespace swa
