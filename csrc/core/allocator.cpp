@@ -266,12 +266,11 @@ void HybridAllocator::evict_out_of_window(const SlotRows& req_to_token, Span row
                                           Span evicted_seqlens, int64_t window, int64_t interval,
                                           bool prefix_sharing, int64_t* new_evicted) {
   store_->check_usable();
-  const EvictionPlan plan =
-      plan_window_eviction(req_to_token.num_rows, req_to_token.row_len, rows, pre_lens, evicted_seqlens, window,
-                           interval, prefix_sharing, page_, destination(swa(), false), new_evicted);
-  if (plan.total_pages() == 0) return;
+  plan_window_eviction(req_to_token.num_rows, req_to_token.row_len, rows, pre_lens, evicted_seqlens, window, interval,
+                       prefix_sharing, page_, destination(swa(), false), new_evicted, eviction_);
+  if (eviction_.total_pages() == 0) return;
   ClaimScope<HybridStore> scope(*store_);
-  store_->claim_swa_of_evicted(req_to_token, plan);
+  store_->claim_swa_of_evicted(req_to_token, eviction_);
   scope.confirm();
   release_swa(false);
 }

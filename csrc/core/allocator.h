@@ -113,6 +113,7 @@ class HybridAllocator {
 
   std::unique_ptr<HybridStore> store_;
   PageGeometry page_;
+  EvictionPlan eviction_;  // evict_out_of_window's plan, its lists kept from call to call
 };
 
 // Throws std::logic_error naming the first broken invariant of a hybrid allocator's state.

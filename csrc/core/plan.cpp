@@ -102,17 +102,18 @@ void check_mapping_pairs(int64_t num_full, int64_t num_swa) {
   if (num_full != num_swa) fail("swa_indices", "has ", num_swa, " entries for ", num_full, " full indices");
 }
 
-EvictionPlan plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
-                                  int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
-                                  Destination dest, int64_t* new_evicted) {
+void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
+                          int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
+                          Destination dest, int64_t* new_evicted, EvictionPlan& plan) {
   const int64_t bs = rows.size;
   if (pre_lens.size != bs) fail("pre_lens", "has ", pre_lens.size, " entries for ", bs, " rows");
   if (evicted_seqlens.size != bs) fail("evicted_seqlens", "has ", evicted_seqlens.size, " entries for ", bs, " rows");
   if (window < 1) fail("window", "must be >= 1, got ", window);
   if (interval < 1) fail("interval", "must be >= 1, got ", interval);
-  EvictionPlan plan;
-  for (std::vector<int64_t>* v : {&plan.row, &plan.evicted, &plan.page_begin, &plan.release_offset})
-    v->reserve(static_cast<size_t>(bs + 1));
+  plan.row.clear();
+  plan.evicted.clear();
+  plan.page_begin.assign(1, 0);
+  plan.release_offset.clear();
   for (int64_t j = 0; j < bs; ++j) {
     const int64_t row = rows[j], pre_len = pre_lens[j], evicted = evicted_seqlens[j];
     if (row < 0 || row >= num_rows) fail("rows", "entry ", j, " (", row, ") is outside [0, ", num_rows, ")");
@@ -128,7 +129,6 @@ EvictionPlan plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, 
   const int64_t total = plan.total_pages();
   for (int64_t j = 0; j < plan.num_due(); ++j)
     plan.release_offset.push_back(dest == Destination::kPrepend ? total - plan.page_begin[j + 1] : plan.page_begin[j]);
-  return plan;
 }
 
 }  // namespace swa

@@ -165,10 +165,11 @@ struct EvictionPlan {
   int64_t total_pages() const { return page_begin.back(); }
 };
 // Checks the host arguments and writes each request's new evicted length (equal to the
-// old one when nothing is due); dest: where the SWA pool releases the pages.
-EvictionPlan plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
-                                  int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
-                                  Destination dest, int64_t* new_evicted);
+// old one when nothing is due) and the plan (its lists reused: this runs every decode
+// step); dest: where the SWA pool releases the pages.
+void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
+                          int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
+                          Destination dest, int64_t* new_evicted, EvictionPlan& plan);
 
 // ---------------------------------------------------------------- mapping
 
