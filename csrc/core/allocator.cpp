@@ -217,7 +217,7 @@ void HybridAllocator::free_slots(Span indices, Call call, bool full_side, bool s
   if (full_side) full().claim_slots(indices, call);
   if (swa_side) {
     if (swa_free_by_segment(page_.size)) store_->claim_swa_of_reps(indices, call);
-    else store_->claim_swa_of_pages(indices, call);
+    else store_->claim_swa_of_pages(indices, full_side, call);
   }
   scope.confirm();
   if (swa_side) release_swa(true);

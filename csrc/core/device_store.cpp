@@ -515,7 +515,7 @@ void DeviceHybridStore::note_mapped(const int64_t* slots, int64_t count) {
   mapped_count_ = count;
 }
 
-void DeviceHybridStore::claim_swa_of_pages(Span indices, Call call) {
+void DeviceHybridStore::claim_swa_of_pages(Span indices, bool, Call call) {
   if (indices.size == 0) return;
   swa_->defer_claim(indices.size, indices.size * page_.size,
                     dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, indices.data, true, swa_->list(),

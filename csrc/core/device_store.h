@@ -182,7 +182,7 @@ class DeviceHybridStore final : public HybridStore {
   void translate(Span indices, int64_t* out) override;
   void set_mapping(Span full_indices, Span swa_indices) override;
   void clear_mapping(Span full_indices) override;
-  void claim_swa_of_pages(Span indices, Call call) override;
+  void claim_swa_of_pages(Span indices, bool full_claimed, Call call) override;
   void claim_swa_of_reps(Span indices, Call call) override;
   void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) override;
   void confirm_claims() override { control_->launch_claims(); }

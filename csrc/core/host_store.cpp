@@ -314,21 +314,44 @@ void HostHybridStore::clear_mapping(Span full_indices) {
   for (int64_t i = 0; i < full_indices.size; ++i) mapping_[full_indices[i]] = 0;
 }
 
-void HostHybridStore::claim_swa_of_pages(Span indices, Call) {
+void HostHybridStore::claim_swa_of_full_page(int64_t page) {
+  claimed_full_pages_.push_back(page);
+  const PageGeometry& swa_page = swa_->geometry();
+  const int64_t size = full_->geometry().size;
+  const int64_t* slots = mapping_ + page * size;
+  int64_t k = 0;
+  while (k < size && slots[k] <= 0) ++k;
+  if (k == size) return;
+  const int64_t first = swa_->page_of("indices", slots[k]);
+  swa_->claim("indices", first, true);
+  // In every layout an allocation writes, the mapped slots of a full page lie in one
+  // SWA page: check that without branches (the loop vectorizes) and claim it once.
+  int64_t other = 0;
+  if (swa_page.shift >= 0) {
+    for (int64_t i = k + 1; i < size; ++i) other |= (slots[i] > 0) & ((slots[i] >> swa_page.shift) != first);
+  } else {
+    for (int64_t i = k + 1; i < size; ++i) other |= (slots[i] > 0) & (slots[i] / swa_page.size != first);
+  }
+  if (other == 0) return;
+  for (int64_t i = k + 1; i < size; ++i)
+    if (slots[i] > 0) swa_->claim("indices", swa_->page_of("indices", slots[i]), true);
+}
+
+void HostHybridStore::claim_swa_of_pages(Span indices, bool full_claimed, Call) {
+  if (full_claimed) {
+    // The full pool's claims of this call are the distinct pages of indices. A page it
+    // passed over as a repeat was freed by an earlier free() of the open group, which
+    // claimed its SWA side and cleared its mapping then.
+    for (int64_t page : full_->claimed()) claim_swa_of_full_page(page);
+    return;
+  }
   const PageGeometry& page = full_->geometry();
-  int64_t previous = 0, previous_swa = 0;  // none yet: page 0 holds no slot of a pool
+  int64_t previous = 0;  // none yet: page 0 holds no slot of a pool
   for (int64_t i = 0; i < indices.size; ++i) {
     // Runs of one page are common: their slots are read once.
     if (previous != 0 && page.page(indices[i]) == previous) continue;
     previous = full_->page_of("indices", indices[i]);
-    claimed_full_pages_.push_back(previous);
-    for (int64_t slot = previous * page.size; slot < (previous + 1) * page.size; ++slot) {
-      const int64_t swa_slot = mapping_[slot];
-      // The slots of a full page map to few SWA pages, each a repeat claim after its first.
-      if (swa_slot <= 0 || (previous_swa != 0 && swa_->geometry().page(swa_slot) == previous_swa)) continue;
-      previous_swa = swa_->page_of("indices", swa_slot);
-      swa_->claim("indices", previous_swa, true);
-    }
+    claim_swa_of_full_page(previous);
   }
 }
 

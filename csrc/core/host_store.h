@@ -176,7 +176,7 @@ class HostHybridStore final : public HybridStore {
   void translate(Span indices, int64_t* out) override;
   void set_mapping(Span full_indices, Span swa_indices) override;
   void clear_mapping(Span full_indices) override;
-  void claim_swa_of_pages(Span indices, Call call) override;
+  void claim_swa_of_pages(Span indices, bool full_claimed, Call call) override;
   void claim_swa_of_reps(Span indices, Call call) override;
   void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) override;
   void confirm_claims() override {}
@@ -190,6 +190,8 @@ class HostHybridStore final : public HybridStore {
  private:
   void reset_mapping();
   void write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n);
+  // Claims the SWA pages mapped from the slots of full page `page`, noted for clearing.
+  void claim_swa_of_full_page(int64_t page);
   // Claims the SWA page mapped from full slot full_slot, a page representative; returns its full page.
   int64_t claim_swa_of_rep(const char* arg, int64_t full_slot);
 

@@ -125,7 +125,9 @@ class HybridStore {
   // the pages of `indices` (free_swa), from the page representatives indices[::page_size]
   // (free_swa_segment), or from the evicted pages of each due request, placed where the
   // eviction plan releases them. The full pages they come from are noted.
-  virtual void claim_swa_of_pages(Span indices, Call call) = 0;
+  // full_claimed: the call claimed the full pages of indices just before (free()), so
+  // the store may take the pages from those claims.
+  virtual void claim_swa_of_pages(Span indices, bool full_claimed, Call call) = 0;
   virtual void claim_swa_of_reps(Span indices, Call call) = 0;
   virtual void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) = 0;
   // As PoolStore's, on both pools.

@@ -164,3 +164,22 @@ TEST(DeviceAllocator, BatchedEvictionReleasesAsOneSegmentFreePerRequest) {
     p.expect_same();
   }
 }
+
+TEST(DeviceAllocator, AFullPageMappedIntoTwoSwaPagesFreesBoth) {
+  Pair p(32 * 4, 16 * 4, 4, false, /*debug=*/true);
+  const V slots = p.extend({0}, {8}, {-1}, 8);  // full pages 1-2 -> SWA pages 1-2
+  // Full slot 5 (page 1) now maps into SWA page 2: page 1's slots span two SWA pages.
+  const V full{slots[1]}, swa_slot{p.cpu_mapping[static_cast<size_t>(slots[5])]};
+  p.cpu.set_mapping(full, swa_slot);
+  p.dev.set_mapping(full, swa_slot);
+  const V first_page = slice(slots, 0, 4);
+  p.cpu.free_swa(first_page);
+  p.dev.free_swa(first_page);
+  EXPECT_EQ(p.cpu.swa_available_size(), 16 * 4);  // both SWA pages, from full page 1 alone
+  EXPECT_TRUE(p.cpu.backup_state() == p.dev.backup_state());
+  const V second_page = slice(slots, 4, 8);  // still mapped into SWA page 2, now free
+  p.cpu.clear_mapping(second_page);
+  p.dev.clear_mapping(second_page);
+  p.expect_same();
+  p.cpu.check_invariants();
+}
