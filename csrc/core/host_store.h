@@ -65,6 +65,8 @@ class PagePool final : public PoolStore {
     int64_t pos = head_ + k;
     return ring_[pos >= num_pages_ ? pos - num_pages_ : pos];
   }
+  // The end of the run of slots in page `page` that starts at indices[i].
+  int64_t run_end(Span indices, int64_t i, int64_t page) const;
   // Checks that each request's last_loc ends its prefix in a page of this pool.
   void check_last_loc(const BatchLengths& batch, const LastLoc& last_loc) const;
   // Writes the slots of the batch, new pages taken from the head of the free list in
