@@ -74,8 +74,9 @@ void PagePool::merge() {
 }
 
 void PagePool::take(int64_t n) {
-  head_ranges(n, [this](const int64_t* first, const int64_t* last) {
-    for (const int64_t* p = first; p != last; ++p) state_[*p] = PageState::kHeld;
+  PageState* const state = state_.data();
+  head_ranges(n, [state](const int64_t* first, const int64_t* last) {
+    for (const int64_t* p = first; p != last; ++p) state[*p] = PageState::kHeld;
   });
   head_ += n;
   if (head_ >= num_pages_) head_ -= num_pages_;
@@ -197,16 +198,22 @@ void PagePool::release(const std::vector<int64_t>& pages, Destination dest) {
     staged_.insert(staged_.end(), pages.begin(), pages.end());
     return;
   }
-  for (int64_t page : pages) state_[page] = PageState::kFree;
+  // Locals: a store of a page state (a byte) may alias any member, which the loops
+  // would otherwise read again at every page.
+  PageState* const state = state_.data();
+  int64_t* const ring = ring_.data();
+  const int64_t* const freed = pages.data();
+  const int64_t num_pages = num_pages_;
+  for (int64_t k = 0; k < n; ++k) state[freed[k]] = PageState::kFree;
   int64_t pos;
   if (dest == Destination::kAppend) {
     pos = head_ + free_count_;
   } else {
     head_ -= n;  // prepend: the pages freed last are handed out first
-    if (head_ < 0) head_ += num_pages_;
+    if (head_ < 0) head_ += num_pages;
     pos = head_;
   }
-  for (int64_t k = 0; k < n; ++k, ++pos) ring_[pos >= num_pages_ ? pos - num_pages_ : pos] = pages[k];
+  for (int64_t k = 0; k < n; ++k, ++pos) ring[pos >= num_pages ? pos - num_pages : pos] = freed[k];
   free_count_ += n;
 }
 
@@ -415,10 +422,9 @@ void HostHybridStore::undo_claims() {
 }
 
 void HostHybridStore::clear_claimed_mapping() {
-  const PageGeometry& page = full_->geometry();
-  const auto clear_page = [this, &page](int64_t p) {
-    for (int64_t slot = p * page.size; slot < (p + 1) * page.size; ++slot) mapping_[slot] = 0;
-  };
+  const PageGeometry page = full_->geometry();  // a copy: the stores below cannot change it
+  int64_t* const mapping = mapping_;
+  const auto clear_page = [mapping, size = page.size](int64_t p) { std::fill_n(mapping + p * size, size, 0); };
   for (int64_t p : claimed_full_pages_) clear_page(p);
   for (int64_t i = 0; i < mapped_reps_.size; i += page.size) clear_page(page.page(mapped_reps_[i]));
   claimed_full_pages_.clear();
