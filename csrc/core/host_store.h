@@ -139,20 +139,21 @@ void PagePool::write_slots(const BatchLengths& batch, int64_t num_tokens, const 
     head_ranges(num_tokens, [&out](const int64_t* first, const int64_t* last) { out = std::copy(first, last, out); });
     return;
   }
-  // Locals: the stores into out may alias the members the loop reads.
+  // Locals, and out marked as aliasing nothing: else every store into it makes the
+  // loop read the pool's members and the lengths again.
+  int64_t* __restrict dst = out;
   const int64_t* const ring = ring_.data();
-  const int64_t head = head_, num_pages = num_pages_;
-  const PageGeometry page = geometry_;
-  int64_t pos = 0, page_offset = 0;
+  const int64_t num_pages = num_pages_;
+  int64_t first = head_;  // the ring position of the request's first new page
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j), seq = batch.seq_lens[j];
     const int64_t last = prefix_end(j);
-    const auto page_at_offset = [ring, head, num_pages, page_offset](int64_t k) {
-      const int64_t at = head + page_offset + k;
+    const auto page_at_offset = [ring, num_pages, first](int64_t k) {
+      const int64_t at = first + k;
       return ring[at >= num_pages ? at - num_pages : at];
     };
-    for (int64_t t = 0; t < seq - prefix; ++t) out[pos++] = extend_slot(t, prefix, seq, last, page, page_at_offset);
-    page_offset += new_page_count(prefix, seq, page);
+    for (int64_t t = 0; t < seq - prefix; ++t) *dst++ = extend_slot(t, prefix, seq, last, geometry_, page_at_offset);
+    first += new_page_count(prefix, seq, geometry_);
   }
 }
 
