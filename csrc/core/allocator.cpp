@@ -209,15 +209,22 @@ void HybridAllocator::release_swa(bool by_index) {
   release_claims(swa(), by_index);
 }
 
+void HybridAllocator::claim_reps(Span indices, Call call, bool full_side, bool swa_side) {
+  if (full_side && swa_side) store_->claim_reps_on_both(indices, call);
+  else if (full_side) full().claim_segment(indices, call);
+  else if (swa_side) store_->claim_swa_of_reps(indices, call);
+}
+
 // The hybrid free sequence: claim the full side, claim the SWA side (checked all of it),
 // then clear the mapping and release the SWA side, then release the full side.
 void HybridAllocator::free_slots(Span indices, Call call, bool full_side, bool swa_side) {
   store_->check_usable();
   ClaimScope<HybridStore> scope(*store_);
-  if (full_side) full().claim_slots(indices, call);
-  if (swa_side) {
-    if (swa_free_by_segment(page_.size)) store_->claim_swa_of_reps(indices, call);
-    else store_->claim_swa_of_pages(indices, full_side, call);
+  if (swa_side && swa_free_by_segment(page_.size)) {
+    claim_reps(indices, call, full_side, true);  // at page size 1 each slot stands for its page
+  } else {
+    if (full_side) full().claim_slots(indices, call);
+    if (swa_side) store_->claim_swa_of_pages(indices, full_side, call);
   }
   scope.confirm();
   if (swa_side) release_swa(true);
@@ -229,8 +236,7 @@ void HybridAllocator::free_pages_of_segment(Span indices, int64_t start_pos, Cal
   store_->check_usable();
   check_segment_start(start_pos, page_);
   ClaimScope<HybridStore> scope(*store_);
-  if (full_side) full().claim_segment(indices, call);
-  if (swa_side) store_->claim_swa_of_reps(indices, call);
+  claim_reps(indices, call, full_side, swa_side);
   scope.confirm();
   if (swa_side) release_swa(false);
   if (full_side) release_claims(full(), false);

@@ -126,8 +126,7 @@ int64_t PagePool::run_end(Span indices, int64_t i, int64_t page) const {
 
 void PagePool::claim_slots(Span indices, Call) {
   if (token_mode()) {  // a slot is a page: each is its own claim, and a repeat a double free
-    claimed_.reserve(claimed_.size() + static_cast<size_t>(indices.size));
-    for (int64_t i = 0; i < indices.size; ++i) claim("indices", page_of("indices", indices[i]), false);
+    claim_pages_of("indices", indices.size, [indices](int64_t k) { return indices[k]; });
     return;
   }
   // A run of slots in one page (the usual case) is one claim: the rest of the run lies
@@ -140,9 +139,9 @@ void PagePool::claim_slots(Span indices, Call) {
 }
 
 void PagePool::claim_segment(Span indices, Call) {
-  claimed_.reserve(claimed_.size() + static_cast<size_t>(geometry_.pages_for(indices.size)));
   // Every page_size-th index stands for its page.
-  for (int64_t i = 0; i < indices.size; i += geometry_.size) claim("indices", page_of("indices", indices[i]), false);
+  const int64_t stride = geometry_.size;
+  claim_pages_of("indices", geometry_.pages_for(indices.size), [indices, stride](int64_t k) { return indices[k * stride]; });
 }
 
 void PagePool::claim_page_ids(Span pages, Call) {
@@ -152,10 +151,12 @@ void PagePool::claim_page_ids(Span pages, Call) {
   for (int64_t i = 0; i < pages.size; ++i) claim("page_ids", pages[i], false);
 }
 
-void PagePool::undo_claims() {
-  for (int64_t page : claimed_) state_[page] = PageState::kHeld;
-  claimed_.clear();
+void PagePool::undo_claims_after(size_t mark) {
+  for (size_t k = mark; k < claimed_.size(); ++k) state_[claimed_[k]] = PageState::kHeld;
+  claimed_.resize(mark);
 }
+
+void PagePool::undo_claims() { undo_claims_after(0); }
 
 void PagePool::release_claims(Destination dest, ReleaseOrder order) {
   const int64_t n = static_cast<int64_t>(claimed_.size());
@@ -285,10 +286,45 @@ void HostHybridStore::write_mapping(const int64_t* full_slots, const int64_t* sw
   for (int64_t i = 0; i < n; ++i) mapping_[full_slots[i]] = swa_slots[i];
 }
 
+bool HostHybridStore::batch_valid(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc) const {
+  const PageGeometry page = full_->geometry();
+  const int64_t full_pages = full_->num_pages(), swa_pages = swa_->num_pages();
+  const PagePool &full = *full_, &swa = *swa_;
+  const auto full_state = [&full](int64_t p) { return full.state(p); };
+  const auto swa_state = [&swa](int64_t p) { return swa.state(p); };
+  const int64_t* const mapping = mapping_;
+  const bool swa_side = swa_continues_prefix(plan.call);
+  // The mapping entries read below lie scattered over the table, and a cold allocator
+  // (a forward pass ran since its last call) misses on most: asking for each a few
+  // requests ahead overlaps the misses instead of stalling on them one by one.
+  constexpr int64_t kAhead = 16;
+  const uint64_t mapping_len = static_cast<uint64_t>(mapping_len_);
+  const auto prefetch = [&](int64_t j) {
+    const uint64_t slot = static_cast<uint64_t>(last_loc.data[j]);
+    __builtin_prefetch(mapping + (slot < mapping_len ? slot : 0));  // a bad slot is checked below
+  };
+  // At page size 1 no request continues a partial page: nothing to read ahead.
+  const bool read_ahead = swa_side && page.size > 1;
+  const int64_t n = batch.size();
+  if (read_ahead)
+    for (int64_t j = 0; j < n && j < kAhead; ++j) prefetch(j);
+  for (int64_t j = 0; j < n; ++j) {
+    if (read_ahead && j + kAhead < n) prefetch(j + kAhead);
+    const int64_t prefix = batch.prefix(j), last = last_loc.data[j];
+    if (last_loc_fault(last, prefix, page, full_pages, full_state) != LastLocFault::kNone) return false;
+    if (swa_side && continues_partial_page(prefix, batch.seq_lens[j], page) &&
+        !swa_continuation_ok(last, mapping[last], page, swa_pages, swa_state))
+      return false;
+  }
+  return true;
+}
+
 void HostHybridStore::validate_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc,
                                      Call) {
+  if (last_loc.data == nullptr || batch_valid(plan, batch, last_loc)) return;
+  // A fault: name the first, the full pool's checks before the SWA pool's.
   full_->check_last_loc(batch, last_loc);
-  if (last_loc.data == nullptr || !swa_continues_prefix(plan.call)) return;
+  if (!swa_continues_prefix(plan.call)) return;
   const PageGeometry& page = full_->geometry();
   const auto swa_state = [this](int64_t p) { return swa_->state(p); };
   for (int64_t j = 0; j < batch.size(); ++j) {
@@ -300,9 +336,38 @@ void HostHybridStore::validate_batch(const AllocPlan& plan, const BatchLengths& 
   }
 }
 
+void HostHybridStore::write_decode(const BatchLengths& batch, const LastLoc& last_loc, int64_t* full_slots) {
+  // extend_slot's two cases for one token: the slot after last_loc in its partial page
+  // (the SWA slot after the one it maps to), or the start of each pool's next new page.
+  const PageGeometry page = full_->geometry();
+  const int64_t* const last = last_loc.data;
+  const int64_t* const mapping = mapping_;
+  int64_t* __restrict full_out = full_slots;
+  int64_t* __restrict swa_out = swa_slots_.data();
+  PagePool::HeadPages full_pages = full_->head_pages(), swa_pages = swa_->head_pages();
+  for (int64_t j = 0; j < batch.size(); ++j) {
+    if (continues_partial_page(batch.prefix(j), batch.seq_lens[j], page)) {
+      full_out[j] = last[j] + 1;
+      swa_out[j] = mapping[last[j]] + 1;
+    } else {
+      full_out[j] = full_pages.next() * page.size;
+      swa_out[j] = swa_pages.next() * page.size;
+    }
+  }
+  // Written after every read: a bad batch whose requests share a page reads what SGLang's would.
+  write_mapping(full_slots, swa_slots_.data(), batch.size());
+}
+
 void HostHybridStore::write_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call,
                                   OutBuffer& out) {
   int64_t* full_slots = out.get(plan.num_tokens);
+  if (plan.call == AllocCall::kDecode && !full_->token_mode()) {  // at page size 1 the ring copies below are faster
+    swa_slots_.resize(static_cast<size_t>(plan.num_tokens));
+    write_decode(batch, last_loc, full_slots);
+    full_->take(plan.full_pages);
+    swa_->take(plan.swa_pages);
+    return;
+  }
   const int64_t* last = last_loc.data;
   const auto full_end = [last](int64_t j) { return last != nullptr ? last[j] : int64_t{-1}; };
   full_->write_slots(batch, plan.num_tokens, full_end, full_slots);
@@ -391,10 +456,42 @@ int64_t HostHybridStore::claim_swa_of_rep(const char* arg, int64_t full_slot) {
 }
 
 void HostHybridStore::claim_swa_of_reps(Span indices, Call) {
-  const int64_t page_size = full_->geometry().size;
-  swa_->claimed().reserve(swa_->claimed().size() + static_cast<size_t>(full_->geometry().pages_for(indices.size)));
-  for (int64_t i = 0; i < indices.size; i += page_size) claim_swa_of_rep("indices", indices[i]);
+  const PageGeometry page = full_->geometry();
+  const int64_t num_pages = full_->num_pages();
+  const int64_t* const mapping = mapping_;
+  const PagePool& full = *full_;
+  swa_->claim_pages_of("indices", page.pages_for(indices.size), [&, indices](int64_t k) {
+    const int64_t full_slot = indices[k * page.size];
+    if (!slot_in_pool(full_slot, page, num_pages)) full.page_of("indices", full_slot);  // throws
+    const int64_t swa_slot = mapping[full_slot];
+    if (swa_slot <= 0) fail("indices", "full slot ", full_slot, kUnmappedRefusal);
+    return swa_slot;
+  });
   mapped_reps_ = indices;  // their pages' mapping is cleared from the representatives themselves
+}
+
+void HostHybridStore::claim_reps_on_both(Span indices, Call call) {
+  const PageGeometry page = full_->geometry();
+  const int64_t n = page.pages_for(indices.size);
+  const int64_t* const mapping = mapping_;
+  const size_t full_mark = full_->claimed().size(), swa_mark = swa_->claimed().size();
+  {
+    PagePool::Claimer full(*full_, n), swa(*swa_, n);
+    bool ok = true;
+    for (int64_t k = 0; k < n && ok; ++k) {
+      const int64_t slot = indices[k * page.size];
+      ok = full.claim_slot(slot) && mapping[slot] > 0 && swa.claim_slot(mapping[slot]);
+    }
+    if (ok) {
+      mapped_reps_ = indices;  // their pages' mapping is cleared from the representatives themselves
+      return;
+    }
+  }
+  // A fault: this pass's claims put back, the two claims in turn name the first one.
+  full_->undo_claims_after(full_mark);
+  swa_->undo_claims_after(swa_mark);
+  full_->claim_segment(indices, call);
+  claim_swa_of_reps(indices, call);
 }
 
 void HostHybridStore::claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) {
@@ -424,7 +521,10 @@ void HostHybridStore::undo_claims() {
 void HostHybridStore::clear_claimed_mapping() {
   const PageGeometry page = full_->geometry();  // a copy: the stores below cannot change it
   int64_t* const mapping = mapping_;
-  const auto clear_page = [mapping, size = page.size](int64_t p) { std::fill_n(mapping + p * size, size, 0); };
+  const auto clear_page = [mapping, size = page.size](int64_t p) {
+    if (size == 1) mapping[p] = 0;  // not a call to memset per slot
+    else std::fill_n(mapping + p * size, size, 0);
+  };
   for (int64_t p : claimed_full_pages_) clear_page(p);
   for (int64_t i = 0; i < mapped_reps_.size; i += page.size) clear_page(page.page(mapped_reps_[i]));
   claimed_full_pages_.clear();

@@ -65,6 +65,17 @@ class PagePool final : public PoolStore {
     int64_t pos = head_ + k;
     return ring_[pos >= num_pages_ ? pos - num_pages_ : pos];
   }
+  // The free list from its head, in hand-out order, as a loop reads it with locals.
+  struct HeadPages {
+    const int64_t* ring;
+    int64_t at, num_pages;
+    int64_t next() {
+      const int64_t page = ring[at];
+      if (++at == num_pages) at = 0;
+      return page;
+    }
+  };
+  HeadPages head_pages() const { return HeadPages{ring_.data(), head_, num_pages_}; }
   // The end of the run of slots in page `page` that starts at indices[i].
   int64_t run_end(Span indices, int64_t i, int64_t page) const;
   // Checks that each request's last_loc ends its prefix in a page of this pool.
@@ -85,7 +96,49 @@ class PagePool final : public PoolStore {
       refuse_claim(arg, page);
     }
   }
+  // A loop's claims of pages of their own (a repeat is a double free) on this pool,
+  // with the pool's arrays in locals: a page-state store (a byte) may alias any member,
+  // which the loop would otherwise read again at every claim.
+  class Claimer {
+   public:
+    Claimer(PagePool& pool, int64_t n) : pool_(pool), state_(pool.state_.data()), geometry_(pool.geometry_),
+                                         num_pages_(pool.num_pages_) {
+      pool.claimed_.reserve(pool.claimed_.size() + static_cast<size_t>(n));
+    }
+    // Claims the page of slot; false, with nothing changed, where claim(arg,
+    // page_of(arg, slot), false) would throw.
+    bool claim_slot(int64_t slot) {
+      if (!slot_in_pool(slot, geometry_, num_pages_)) return false;
+      const int64_t page = geometry_.page(slot);
+      if (state_[page] != PageState::kHeld) return false;
+      state_[page] = PageState::kClaimed;
+      pool_.claimed_.push_back(page);
+      return true;
+    }
+    // Throws what claim_slot(slot) found.
+    [[noreturn]] void refuse(const char* arg, int64_t slot) const {
+      if (!slot_in_pool(slot, geometry_, num_pages_)) pool_.refuse_slot(arg, slot);
+      pool_.refuse_claim(arg, geometry_.page(slot));
+    }
+
+   private:
+    PagePool& pool_;
+    PageState* const state_;
+    const PageGeometry geometry_;
+    const int64_t num_pages_;
+  };
+  // claim(arg, page_of(arg, slot), false) for the n slots slot_at(0 .. n-1).
+  template <class SlotAt>
+  void claim_pages_of(const char* arg, int64_t n, const SlotAt& slot_at) {
+    Claimer claimer(*this, n);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t slot = slot_at(k);
+      if (!claimer.claim_slot(slot)) claimer.refuse(arg, slot);
+    }
+  }
   std::vector<int64_t>& claimed() { return claimed_; }
+  // Puts back the claims after the first `mark` of the call's claims.
+  void undo_claims_after(size_t mark);
 
   // The snapshot's contents.
   std::vector<int64_t> free_list() const;  // in hand-out order
@@ -187,6 +240,7 @@ class HostHybridStore final : public HybridStore {
   void clear_mapping(Span full_indices) override;
   void claim_swa_of_pages(Span indices, bool full_claimed, Call call) override;
   void claim_swa_of_reps(Span indices, Call call) override;
+  void claim_reps_on_both(Span indices, Call call) override;
   void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) override;
   void confirm_claims() override {}
   void undo_claims() override;
@@ -197,8 +251,13 @@ class HostHybridStore final : public HybridStore {
   void restore(const AllocatorState& state) override;
 
  private:
+  // Whether every request passes validate_batch's checks: one pass over the batch for
+  // both pools; the ordered checks run only to name a fault.
+  bool batch_valid(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc) const;
   void reset_mapping();
   void write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n);
+  // write_batch of a decode step: one token per request, both pools' slots in one pass.
+  void write_decode(const BatchLengths& batch, const LastLoc& last_loc, int64_t* full_slots);
   // Claims the SWA pages mapped from the slots of full page `page`, noted for clearing.
   void claim_swa_of_full_page(int64_t page);
   // Claims the SWA page mapped from full slot full_slot, a page representative; returns its full page.

@@ -129,6 +129,9 @@ class HybridStore {
   // the store may take the pages from those claims.
   virtual void claim_swa_of_pages(Span indices, bool full_claimed, Call call) = 0;
   virtual void claim_swa_of_reps(Span indices, Call call) = 0;
+  // claim_segment of the full pool and claim_swa_of_reps, as one call (the host store
+  // takes both in one pass over the representatives).
+  virtual void claim_reps_on_both(Span indices, Call call) = 0;
   virtual void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) = 0;
   // As PoolStore's, on both pools.
   virtual void confirm_claims() = 0;

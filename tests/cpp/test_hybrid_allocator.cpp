@@ -104,3 +104,39 @@ TEST(Hybrid, InvariantCheckCatchesAStaleMapping) {
   f.mapping[a[0]] = swa_slot;  // a caller writing behind the allocator's back
   EXPECT_THROW(f.alloc.check_invariants(), std::logic_error);
 }
+
+// The message of a call that throws ArgumentError ("" when it does not throw).
+template <class Call>
+std::string argument_error(const Call& call) {
+  try {
+    call();
+  } catch (const ArgumentError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The host store checks a batch, or claims a segment on both pools, in one fast pass and
+// names a fault from the ordered checks: the full pool's before the SWA pool's, whatever
+// the order of the requests or slots at fault.
+TEST(Hybrid, AFaultIsNamedByTheFullPoolsChecksFirst) {
+  for (const int64_t ps : {1, 16}) {
+    Fixture f(512, 512, ps);
+    const V a = f.extend({0, 0}, {20, 20}, {-1, -1}, 40);
+    // Request 0's SWA slot is gone (free_swa), request 1's last_loc is out of the pool.
+    f.alloc.free_swa(V{a[19]});
+    const auto before = f.alloc.backup_state();
+    const std::string decode = argument_error([&] { f.decode({21, 21}, {a[19], 1 << 20}); });
+    EXPECT_NE(decode.find("last_loc"), std::string::npos) << decode;
+    EXPECT_NE(decode.find("entry 1"), std::string::npos) << decode;
+    // Three pages' representatives: a[19]'s page (SWA side unmapped now) first, then
+    // a[20]'s twice (a full double free in one call).
+    V segment_slots;
+    for (const int64_t rep : {a[19] - a[19] % ps, a[20], a[20]})
+      for (int64_t k = 0; k < ps; ++k) segment_slots.push_back(rep + k);
+    const std::string segment = argument_error([&] { f.alloc.free_segment(segment_slots, 0); });
+    EXPECT_NE(segment.find("freed twice in one call"), std::string::npos) << segment;
+    EXPECT_TRUE(f.alloc.backup_state() == before) << "ps=" << ps;
+    f.alloc.check_invariants();
+  }
+}
