@@ -61,6 +61,7 @@ class PagePool final : public PoolStore {
     return geometry_.page(index);
   }
   PageState state(int64_t page) const { return state_[page]; }
+  const PageState* states() const { return state_.data(); }
   int64_t page_at(int64_t k) const {  // k-th page of the free list
     int64_t pos = head_ + k;
     return ring_[pos >= num_pages_ ? pos - num_pages_ : pos];
