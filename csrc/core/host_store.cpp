@@ -468,12 +468,11 @@ int64_t HostHybridStore::claim_swa_of_rep(const char* arg, int64_t full_slot) {
 
 void HostHybridStore::claim_swa_of_reps(Span indices, Call) {
   const PageGeometry page = full_->geometry();
-  const int64_t num_pages = full_->num_pages();
   const int64_t* const mapping = mapping_;
   const PagePool& full = *full_;
   swa_->claim_pages_of("indices", page.pages_for(indices.size), [&, indices](int64_t k) {
     const int64_t full_slot = indices[k * page.size];
-    if (!slot_in_pool(full_slot, page, num_pages)) full.page_of("indices", full_slot);  // throws
+    full.page_of("indices", full_slot);  // the range check
     const int64_t swa_slot = mapping[full_slot];
     if (swa_slot <= 0) fail("indices", "full slot ", full_slot, kUnmappedRefusal);
     return swa_slot;
