@@ -458,24 +458,23 @@ void HostHybridStore::claim_swa_of_pages(Span indices, bool full_claimed, Call) 
   }
 }
 
-int64_t HostHybridStore::claim_swa_of_rep(const char* arg, int64_t full_slot) {
-  const int64_t page = full_->page_of(arg, full_slot);
+int64_t HostHybridStore::mapped_swa_slot(const char* arg, int64_t full_slot) const {
+  full_->page_of(arg, full_slot);  // the range check
   const int64_t swa_slot = mapping_[full_slot];
   if (swa_slot <= 0) fail(arg, "full slot ", full_slot, kUnmappedRefusal);
+  return swa_slot;
+}
+
+int64_t HostHybridStore::claim_swa_of_rep(const char* arg, int64_t full_slot) {
+  const int64_t swa_slot = mapped_swa_slot(arg, full_slot);
   swa_->claim(arg, swa_->page_of(arg, swa_slot), false);
-  return page;
+  return full_->geometry().page(full_slot);
 }
 
 void HostHybridStore::claim_swa_of_reps(Span indices, Call) {
-  const PageGeometry page = full_->geometry();
-  const int64_t* const mapping = mapping_;
-  const PagePool& full = *full_;
-  swa_->claim_pages_of("indices", page.pages_for(indices.size), [&, indices](int64_t k) {
-    const int64_t full_slot = indices[k * page.size];
-    full.page_of("indices", full_slot);  // the range check
-    const int64_t swa_slot = mapping[full_slot];
-    if (swa_slot <= 0) fail("indices", "full slot ", full_slot, kUnmappedRefusal);
-    return swa_slot;
+  const int64_t page_size = full_->geometry().size;
+  swa_->claim_pages_of("indices", full_->geometry().pages_for(indices.size), [this, indices, page_size](int64_t k) {
+    return mapped_swa_slot("indices", indices[k * page_size]);
   });
   mapped_reps_ = indices;  // their pages' mapping is cleared from the representatives themselves
 }

@@ -261,6 +261,9 @@ class HostHybridStore final : public HybridStore {
   void write_decode(const BatchLengths& batch, const LastLoc& last_loc, int64_t* full_slots);
   // Claims the SWA pages mapped from the slots of full page `page`, noted for clearing.
   void claim_swa_of_full_page(int64_t page);
+  // The SWA slot that full slot full_slot maps to; throws naming arg unless the slot is
+  // in the full pool and mapped.
+  int64_t mapped_swa_slot(const char* arg, int64_t full_slot) const;
   // Claims the SWA page mapped from full slot full_slot, a page representative; returns its full page.
   int64_t claim_swa_of_rep(const char* arg, int64_t full_slot);
 
