@@ -233,41 +233,9 @@ def pre_alloc(allocator, req_to_token, row, fill_len, window, *, prefix_indices=
     return kv_indices, fill_len - tail
 
 
-def _cpu_lengths(values, name: str):
-    """A CPU integer tensor as is (the native call checks it), or a list made into one."""
-    if isinstance(values, torch.Tensor):
-        return values
-    if not isinstance(values, (list, tuple)):
-        raise TypeError(f"{name}: expected a CPU int64 tensor or a list of ints, got {type(values).__name__}")
-    if not values:
-        return torch.empty(0, dtype=torch.int64)
-    tensor = torch.tensor(values)
-    if tensor.dtype != torch.int64 or tensor.dim() != 1:
-        raise TypeError(f"{name}: expected a flat list of ints")
-    return tensor
-
-
-def evict_out_of_window(allocator, req_to_token, rows, pre_lens, evicted_seqlens, window, *,
-                        interval=1, prefix_sharing=False):
-    """Free the SWA KV that slid out of the window, for a whole decode batch in one native call.
-
-    Request ``j`` lives in row ``rows[j]`` of ``req_to_token``, has committed length
-    ``pre_lens[j]`` (``seq_len - 1`` in a decode step) and evicted length
-    ``evicted_seqlens[j]`` (page-aligned). Returns the new evicted lengths as a CPU
-    int64 tensor; the inputs are not modified. The result and the allocator state are
-    those of ``free_swa_segment(row[evicted:new], start_pos=evicted)`` per due request
-    in batch order; the batch is validated first and a bad one (ValueError or
-    TypeError) changes nothing.
-    """
-    if (type(rows) is torch.Tensor and type(pre_lens) is torch.Tensor and type(evicted_seqlens) is torch.Tensor
-            and type(window) is int and type(interval) is int and type(prefix_sharing) is bool):
-        # Every decode step calls this: the native call checks tensors and values itself.
-        return allocator.evict_out_of_window(req_to_token, rows, pre_lens, evicted_seqlens, window, interval,
-                                             prefix_sharing)
-    return allocator.evict_out_of_window(
-        req_to_token, _cpu_lengths(rows, "rows"), _cpu_lengths(pre_lens, "pre_lens"),
-        _cpu_lengths(evicted_seqlens, "evicted_seqlens"), _window(window),
-        _int(interval, "interval"), bool(prefix_sharing))
+# Every decode step calls it, so it is the native function itself (docstring: help()); it
+# takes lists as well as CPU tensors and checks every argument.
+evict_out_of_window = _C.evict_out_of_window
 
 
 def release(allocator, req_to_token, row, seq_len, swa_evicted_seqlen, prefix_len=0) -> None:

@@ -157,6 +157,8 @@ BAD_TYPES = {
 @pytest.mark.parametrize("call", INDEX_CALLS)
 def test_bad_index_argument_type(world, call, bad):
     make, exc = BAD_TYPES[bad]
+    if call == "evict_out_of_window.rows" and bad in ("list", "tuple"):
+        exc = ValueError  # rows may be a list of ints: row 4 is then outside the 1-row table
     fn = _index_calls(world)[call]
     before = world.state()
     with pytest.raises(exc) as info:

@@ -333,6 +333,46 @@ def test_eviction_accepts_lists_and_leaves_its_inputs_alone():
     assert decode.evict_out_of_window(alloc, pool.req_to_token, [], [], [], window).tolist() == []
 
 
+def test_eviction_takes_the_same_arguments_as_tensors_lists_and_tuples():
+    ps, window = 4, 8
+    results = []
+    for kind in (torch.tensor, list, tuple, "method"):
+        alloc = make_allocator(64 * ps, 64 * ps, ps)
+        pool = decode.ReqToTokenPool(2, 64, "cpu")
+        ev = [decode.pre_alloc(alloc, pool.req_to_token, row, 30, window)[1] for row in (0, 1)]
+        args = ([0, 1], [29 + 2 * ps, 29 + 3 * ps], ev)
+        if kind == "method":  # the allocator's own method is the same native call
+            got = alloc.evict_out_of_window(pool.req_to_token, *map(torch.tensor, args), window, 1, False)
+        else:
+            got = decode.evict_out_of_window(alloc, pool.req_to_token, *map(kind, args), window, interval=1,
+                                             prefix_sharing=False)
+        alloc.check_invariants()
+        results.append((got.tolist(), alloc.swa_available_size(), alloc.full_to_swa_index_mapping.tolist()))
+    assert results[0][0] == [reference.evicted_after_step(e, p, window, ps) for e, p in zip(ev, args[1])]
+    assert all(r == results[0] for r in results[1:])
+
+
+def test_eviction_refuses_a_bool_where_an_int_belongs():
+    ps, window = 4, 8
+    alloc = make_allocator(64 * ps, 64 * ps, ps)
+    pool = decode.ReqToTokenPool(1, 64, "cpu")
+    _, ev = decode.pre_alloc(alloc, pool.req_to_token, 0, 30, window)
+    before = alloc.backup_state()
+    good = (pool.req_to_token, [0], [29 + 2 * ps], [ev])
+    for args, kwargs, name in (
+        ((*good, True), {}, "window"),
+        ((*good, window), {"interval": True}, "interval"),
+        ((pool.req_to_token, [True], [29 + 2 * ps], [ev], window), {}, "rows"),
+        ((*good, 8.0), {}, "window"),
+        ((pool.req_to_token.tolist(), [0], [29 + 2 * ps], [ev], window), {}, "req_to_token"),
+    ):
+        with pytest.raises(TypeError, match=name):
+            decode.evict_out_of_window(alloc, *args, **kwargs)
+    with pytest.raises(TypeError):  # interval and prefix_sharing are keyword-only in the function
+        decode.evict_out_of_window(alloc, *good, window, 1)
+    assert alloc.backup_state() == before
+
+
 def test_a_bad_batch_changes_nothing():
     ps, window = 4, 8
     alloc = make_allocator(64 * ps, 64 * ps, ps)

@@ -251,7 +251,45 @@ struct DecodeArgs {
   swa::LastLoc last_loc() const { return last_loc_of(last); }
 };
 
-swa::SlotRows slot_rows(const at::Tensor& req_to_token, const c10::Device& device) {
+// An int as operator.index takes it, but not a bool (True is no window length).
+int64_t int_value(const char* name, const py::handle& obj) {
+  if (PyBool_Check(obj.ptr())) throw py::type_error(std::string(name) + ": expected an int, got bool");
+  PyObject* index = PyNumber_Index(obj.ptr());
+  if (index == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(std::string(name) + ": expected an int, got " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+  }
+  const long long value = PyLong_AsLongLong(index);
+  Py_DECREF(index);
+  if (value == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw py::value_error(std::string(name) + ": outside the int64 range");
+  }
+  return value;
+}
+
+// Per-request values on the CPU: an integer tensor (int_arg checks it) or a list or tuple
+// of ints, made into one.
+IntArg cpu_values_arg(const char* name, const py::handle& obj) {
+  if (THPVariable_Check(obj.ptr())) return int_arg(name, obj, c10::Device(c10::kCPU));
+  if (!PyList_Check(obj.ptr()) && !PyTuple_Check(obj.ptr()))
+    throw py::type_error(std::string(name) + ": expected a CPU int64 tensor or a list of ints, got " +
+                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+  const py::sequence values = py::reinterpret_borrow<py::sequence>(obj);
+  at::Tensor tensor = at::detail::empty_cpu({static_cast<int64_t>(values.size())}, at::kLong);
+  int64_t* out = tensor.data_ptr<int64_t>();
+  for (const py::handle value : values) {
+    if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr()))
+      throw py::type_error(std::string(name) + ": expected a flat list of ints");
+    *out++ = int_value(name, value);
+  }
+  return IntArg{tensor};
+}
+
+swa::SlotRows slot_rows(const py::handle& obj, const c10::Device& device) {
+  if (!THPVariable_Check(obj.ptr()))
+    throw py::type_error("req_to_token: expected a torch.Tensor, got " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+  const at::Tensor& req_to_token = THPVariable_Unpack(obj.ptr());
   if (req_to_token.dim() != 2 || !req_to_token.is_contiguous())
     throw py::value_error("req_to_token: expected a contiguous 2-D tensor");
   if (req_to_token.device() != device) throw py::type_error("req_to_token: expected a tensor on " + device.str());
@@ -263,6 +301,25 @@ swa::SlotRows slot_rows(const at::Tensor& req_to_token, const c10::Device& devic
 }
 
 at::Tensor int_tensor(const std::vector<int64_t>& values) { return at::tensor(values, at::kLong); }
+
+// The window eviction of a decode batch: the allocator's method and, with the allocator
+// first, swa_ext.decode.evict_out_of_window (no Python frame on this per-step call).
+at::Tensor evict_out_of_window(HybridHandle& h, const py::object& req_to_token, const py::object& rows,
+                               const py::object& pre_lens, const py::object& evicted_seqlens,
+                               const py::object& window, const py::object& interval,
+                               const py::object& prefix_sharing) {
+  return guarded(h, [&] {
+    const swa::SlotRows table = slot_rows(req_to_token, h.device);
+    const IntArg row_ids = cpu_values_arg("rows", rows), pre = cpu_values_arg("pre_lens", pre_lens);
+    const IntArg evicted = cpu_values_arg("evicted_seqlens", evicted_seqlens);
+    const int64_t window_len = int_value("window", window), every = int_value("interval", interval);
+    const bool sharing = PyObject_IsTrue(prefix_sharing.ptr()) == 1;
+    at::Tensor out = empty_indices(row_ids.tensor.numel(), c10::Device(c10::kCPU));
+    h.alloc->evict_out_of_window(table, row_ids.span(), pre.span(), evicted.span(), window_len, every, sharing,
+                                 out.data_ptr<int64_t>());
+    return out;
+  });
+}
 
 }  // namespace
 
@@ -454,21 +511,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            swa_docs::hybrid_free_group_begin)
       .def("free_group_end", [](HybridHandle& h) { guarded(h, [&] { h.alloc->free_group_end(); }); },
            swa_docs::hybrid_free_group_end)
-      .def("evict_out_of_window", [](HybridHandle& h, const at::Tensor& req_to_token, const py::object& rows,
-                                     const py::object& pre_lens, const py::object& evicted_seqlens, int64_t window,
-                                     int64_t interval, bool prefix_sharing) {
-             return guarded(h, [&] {
-               const swa::SlotRows table = slot_rows(req_to_token, h.device);
-               const c10::Device cpu(c10::kCPU);
-               const IntArg row_ids = int_arg("rows", rows, cpu), pre = int_arg("pre_lens", pre_lens, cpu);
-               const IntArg evicted = int_arg("evicted_seqlens", evicted_seqlens, cpu);
-               at::Tensor out = empty_indices(row_ids.tensor.numel(), cpu);
-               h.alloc->evict_out_of_window(table, row_ids.span(), pre.span(), evicted.span(), window, interval,
-                                            prefix_sharing, out.data_ptr<int64_t>());
-               return out;
-             });
-           }, swa_docs::hybrid_evict_out_of_window, py::arg("req_to_token"), py::arg("rows"), py::arg("pre_lens"), py::arg("evicted_seqlens"),
-           py::arg("window"), py::arg("interval") = 1, py::arg("prefix_sharing") = false)
+      .def("evict_out_of_window", &evict_out_of_window, swa_docs::hybrid_evict_out_of_window, py::arg("req_to_token"),
+           py::arg("rows"), py::arg("pre_lens"), py::arg("evicted_seqlens"), py::arg("window"), py::arg("interval") = 1,
+           py::arg("prefix_sharing") = false)
       .def("clear", [](HybridHandle& h) { guarded(h, [&] { h.alloc->clear(); }); }, swa_docs::hybrid_clear)
       .def("resize", [](HybridHandle& h, int64_t size, int64_t size_swa) {
              guarded(h, [&] { h.alloc->resize(size, size_swa); });
@@ -483,4 +528,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("restore_state", [](HybridHandle& h, const swa::AllocatorState& state) {
              guarded(h, [&] { h.alloc->restore_state(state); });
            }, swa_docs::hybrid_restore_state, py::arg("state"));
+
+  // swa_ext.decode's per-step call, after the class its first argument is.
+  m.def("evict_out_of_window", &evict_out_of_window, swa_docs::evict_out_of_window, py::arg("allocator"),
+        py::arg("req_to_token"), py::arg("rows"), py::arg("pre_lens"), py::arg("evicted_seqlens"), py::arg("window"),
+        py::kw_only(), py::arg("interval") = 1, py::arg("prefix_sharing") = false);
 }
