@@ -209,23 +209,17 @@ void HybridAllocator::release_swa(bool by_index) {
   release_claims(swa(), by_index);
 }
 
-void HybridAllocator::claim_reps(Span indices, Call call, bool full_side, bool swa_side) {
-  if (full_side && swa_side) store_->claim_reps_on_both(indices, call);
-  else if (full_side) full().claim_segment(indices, call);
-  else if (swa_side) store_->claim_swa_of_reps(indices, call);
-}
-
 // The hybrid free sequence: claim the full side, claim the SWA side (checked all of it),
 // then clear the mapping and release the SWA side, then release the full side.
 void HybridAllocator::free_slots(Span indices, Call call, bool full_side, bool swa_side) {
   store_->check_usable();
-  ClaimScope<HybridStore> scope(*store_);
-  if (swa_side && swa_free_by_segment(page_.size)) {
-    claim_reps(indices, call, full_side, true);  // at page size 1 each slot stands for its page
-  } else {
-    if (full_side) full().claim_slots(indices, call);
-    if (swa_side) store_->claim_swa_of_pages(indices, full_side, call);
+  if (swa_side && swa_free_by_segment(page_.size)) {  // at page size 1 each slot stands for its page
+    free_reps(indices, call, full_side, true, true);
+    return;
   }
+  ClaimScope<HybridStore> scope(*store_);
+  if (full_side) full().claim_slots(indices, call);
+  if (swa_side) store_->claim_swa_of_pages(indices, full_side, call);
   scope.confirm();
   if (swa_side) release_swa(true);
   if (full_side) release_claims(full(), true);
@@ -235,11 +229,21 @@ void HybridAllocator::free_pages_of_segment(Span indices, int64_t start_pos, Cal
                                             bool swa_side) {
   store_->check_usable();
   check_segment_start(start_pos, page_);
+  free_reps(indices, call, full_side, swa_side, false);
+}
+
+void HybridAllocator::free_reps(Span indices, Call call, bool full_side, bool swa_side, bool by_index) {
+  // Pages of representatives are released in claim order (release_order: segments, and
+  // every free at page size 1), so the store may claim and place them in one pass.
+  if (store_->free_reps_at_once(indices, full_side, swa_side, destination(full(), by_index),
+                                destination(swa(), by_index)))
+    return;
   ClaimScope<HybridStore> scope(*store_);
-  claim_reps(indices, call, full_side, swa_side);
+  if (full_side) full().claim_segment(indices, call);
+  if (swa_side) store_->claim_swa_of_reps(indices, call);
   scope.confirm();
-  if (swa_side) release_swa(false);
-  if (full_side) release_claims(full(), false);
+  if (swa_side) release_swa(by_index);
+  if (full_side) release_claims(full(), by_index);
 }
 
 void HybridAllocator::free(Span indices) { free_slots(indices, kCallFree, true, true); }

@@ -104,9 +104,9 @@ class HybridAllocator {
  private:
   // free / free_swa / free_full: the slots' pages on the pools named.
   void free_slots(Span indices, Call call, bool full_side, bool swa_side);
-  // The full pages of the representatives indices[::page_size] (full_side) and the SWA
-  // pages they map to (swa_side).
-  void claim_reps(Span indices, Call call, bool full_side, bool swa_side);
+  // Frees the full pages of the representatives indices[::page_size] (full_side) and the
+  // SWA pages they map to (swa_side); by_index: as free() frees them (page size 1).
+  void free_reps(Span indices, Call call, bool full_side, bool swa_side, bool by_index);
   // free_segment / free_swa_segment / free_full_segment.
   void free_pages_of_segment(Span indices, int64_t start_pos, Call call, bool full_side, bool swa_side);
   // The SWA side of a free, once claimed: mapping cleared, pages released.

@@ -533,11 +533,6 @@ void DeviceHybridStore::claim_swa_of_reps(Span indices, Call call) {
   note_mapped(nullptr, reps);
 }
 
-void DeviceHybridStore::claim_reps_on_both(Span indices, Call call) {
-  full_->claim_segment(indices, call);
-  claim_swa_of_reps(indices, call);
-}
-
 void DeviceHybridStore::claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) {
   const int64_t total = plan.total_pages(), num_due = plan.num_due();
   swa_->check_page_count("req_to_token", total);

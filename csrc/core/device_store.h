@@ -184,7 +184,7 @@ class DeviceHybridStore final : public HybridStore {
   void clear_mapping(Span full_indices) override;
   void claim_swa_of_pages(Span indices, bool full_claimed, Call call) override;
   void claim_swa_of_reps(Span indices, Call call) override;
-  void claim_reps_on_both(Span indices, Call call) override;
+  bool free_reps_at_once(Span, bool, bool, Destination, Destination) override { return false; }
   void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) override;
   void confirm_claims() override { control_->launch_claims(); }
   void undo_claims() override;

@@ -181,41 +181,9 @@ void PagePool::release_group(GroupQueue queue, Destination dest, ReleaseOrder or
 
 void PagePool::hand_on(std::vector<int64_t>& pages, Destination dest, ReleaseOrder order) {
   if (order == ReleaseOrder::kPageOrder) std::sort(pages.begin(), pages.end());
-  if (dest == Destination::kGroupIndex || dest == Destination::kGroupPages) {
-    const bool by_index = dest == Destination::kGroupIndex;
-    std::vector<int64_t>& queue = by_index ? group_index_pages_ : group_page_ids_;
-    for (int64_t page : pages) state_[page] = by_index ? PageState::kQueuedByIndex : PageState::kQueuedByPage;
-    queue.insert(queue.end(), pages.begin(), pages.end());
-    return;
-  }
-  release(pages, dest);
-}
-
-void PagePool::release(const std::vector<int64_t>& pages, Destination dest) {
-  const int64_t n = static_cast<int64_t>(pages.size());
-  if (n == 0) return;
-  if (dest == Destination::kStaged) {
-    for (int64_t page : pages) state_[page] = PageState::kStaged;
-    staged_.insert(staged_.end(), pages.begin(), pages.end());
-    return;
-  }
-  // Locals: a store of a page state (a byte) may alias any member, which the loops
-  // would otherwise read again at every page.
-  PageState* const state = state_.data();
-  int64_t* const ring = ring_.data();
-  const int64_t* const freed = pages.data();
-  const int64_t num_pages = num_pages_;
-  for (int64_t k = 0; k < n; ++k) state[freed[k]] = PageState::kFree;
-  int64_t pos;
-  if (dest == Destination::kAppend) {
-    pos = head_ + free_count_;
-  } else {
-    head_ -= n;  // prepend: the pages freed last are handed out first
-    if (head_ < 0) head_ += num_pages;
-    pos = head_;
-  }
-  for (int64_t k = 0; k < n; ++k, ++pos) ring[pos >= num_pages ? pos - num_pages : pos] = freed[k];
-  free_count_ += n;
+  Releaser placed(*this, static_cast<int64_t>(pages.size()), dest);
+  for (int64_t page : pages) placed.place(page);
+  placed.commit();
 }
 
 std::vector<int64_t> PagePool::free_list() const {
@@ -479,28 +447,25 @@ void HostHybridStore::claim_swa_of_reps(Span indices, Call) {
   mapped_reps_ = indices;  // their pages' mapping is cleared from the representatives themselves
 }
 
-void HostHybridStore::claim_reps_on_both(Span indices, Call call) {
+bool HostHybridStore::free_reps_at_once(Span indices, bool full_side, bool swa_side, Destination full_dest,
+                                        Destination swa_dest) {
   const PageGeometry page = full_->geometry();
-  const int64_t n = page.pages_for(indices.size);
+  const int64_t n = page.pages_for(indices.size), full_pages = full_->num_pages();
   const int64_t* const mapping = mapping_;
-  const size_t full_mark = full_->claimed().size(), swa_mark = swa_->claimed().size();
-  {
-    PagePool::Claimer full(*full_, n), swa(*swa_, n);
-    bool ok = true;
-    for (int64_t k = 0; k < n && ok; ++k) {
-      const int64_t slot = indices[k * page.size];
-      ok = full.claim_slot(slot) && mapping[slot] > 0 && swa.claim_slot(mapping[slot]);
-    }
-    if (ok) {
-      mapped_reps_ = indices;  // their pages' mapping is cleared from the representatives themselves
-      return;
-    }
+  PagePool::Releaser full(*full_, full_side ? n : 0, full_dest), swa(*swa_, swa_side ? n : 0, swa_dest);
+  if (!full.fits() || !swa.fits()) return false;
+  for (int64_t k = 0; k < n; ++k) {  // a fault returns with the placed pages put back
+    const int64_t slot = indices[k * page.size];
+    if (full_side ? !full.release_slot(slot) : !slot_in_pool(slot, page, full_pages)) return false;
+    if (swa_side && !(mapping[slot] > 0 && swa.release_slot(mapping[slot]))) return false;
   }
-  // A fault: this pass's claims put back, the two claims in turn name the first one.
-  full_->undo_claims_after(full_mark);
-  swa_->undo_claims_after(swa_mark);
-  full_->claim_segment(indices, call);
-  claim_swa_of_reps(indices, call);
+  full.commit();
+  swa.commit();
+  if (swa_side) {
+    mapped_reps_ = indices;  // their pages' mapping is cleared from the representatives themselves
+    clear_claimed_mapping();
+  }
+  return true;
 }
 
 void HostHybridStore::claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) {

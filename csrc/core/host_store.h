@@ -137,6 +137,58 @@ class PagePool final : public PoolStore {
       if (!claimer.claim_slot(slot)) claimer.refuse(arg, slot);
     }
   }
+  // Places pages at a destination in the order given, their states and the list
+  // together: the free list (appended, or prepended as one block of the n pages), the
+  // staging list or a free group's queue. Nothing is visible until commit(); without it
+  // every placed page is held again when the Releaser goes. The pool's arrays are in
+  // locals, as in Claimer.
+  class Releaser {
+   public:
+    Releaser(PagePool& pool, int64_t n, Destination dest);  // n: the pages to be placed
+    Releaser(const Releaser&) = delete;
+    Releaser& operator=(const Releaser&) = delete;
+    ~Releaser() {
+      if (!committed_) undo();
+    }
+    // Whether the n pages can be placed at all: the free list takes at most as many
+    // pages as are not in it (more than that cannot all be held).
+    bool fits() const { return fits_; }
+    // Places the page of slot, which must be held: the claim and the release of a free
+    // in one step. False, with nothing changed, where a claim of it (a repeat being a
+    // double free) would throw.
+    bool release_slot(int64_t slot) {
+      if (!slot_in_pool(slot, geometry_, num_pages_)) return false;
+      const int64_t page = geometry_.page(slot);
+      if (state_[page] != PageState::kHeld) return false;
+      place(page);
+      return true;
+    }
+    // Places a page this call claimed.
+    void place(int64_t page) {
+      state_[page] = placed_state_;
+      *next_ = page;
+      if (++next_ == ring_end_) next_ = ring_;
+      ++count_;
+    }
+    void commit();
+
+   private:
+    void undo();
+    std::vector<int64_t>* list();  // the list dest appends to; nullptr for the free list
+    PagePool& pool_;
+    const Destination dest_;
+    PageState* const state_;
+    const PageGeometry geometry_;
+    const int64_t num_pages_;
+    PageState placed_state_ = PageState::kFree;
+    int64_t* ring_ = nullptr;      // the storage placed into: the ring, or the list's new tail
+    int64_t* ring_end_ = nullptr;  // where the ring wraps (nullptr for a list)
+    int64_t* first_ = nullptr;     // where the first page goes
+    int64_t* next_ = nullptr;
+    int64_t count_ = 0;
+    size_t list_size_ = 0;  // the list's size before
+    bool fits_ = true, committed_ = false;
+  };
   std::vector<int64_t>& claimed() { return claimed_; }
   // Puts back the claims after the first `mark` of the call's claims.
   void undo_claims_after(size_t mark);
@@ -163,9 +215,7 @@ class PagePool final : public PoolStore {
     if (first < n) visit(ring_.data(), ring_.data() + (n - first));
   }
   void reset_state();
-  // Pages into the free list or staging (dest outside a group), in this order.
-  void release(const std::vector<int64_t>& pages, Destination dest);
-  // Pages to dest: a group queue or release().
+  // Pages to dest, in the order given or sorted.
   void hand_on(std::vector<int64_t>& pages, Destination dest, ReleaseOrder order);
   std::vector<int64_t> queued_by_index() const;
 
@@ -185,6 +235,58 @@ class PagePool final : public PoolStore {
   std::vector<int64_t> group_page_ids_;     // pages of free_page_ids calls held by the group
   std::vector<int64_t> claimed_;            // the current call's claims, in first-seen order
 };
+
+// Inline, so that a loop placing pages keeps the Releaser in registers.
+inline PagePool::Releaser::Releaser(PagePool& pool, int64_t n, Destination dest)
+    : pool_(pool), dest_(dest), state_(pool.state_.data()), geometry_(pool.geometry_),
+      num_pages_(pool.num_pages_) {
+  if (std::vector<int64_t>* tail = list()) {
+    placed_state_ = dest == Destination::kStaged        ? PageState::kStaged
+                    : dest == Destination::kGroupIndex ? PageState::kQueuedByIndex
+                                                       : PageState::kQueuedByPage;
+    list_size_ = tail->size();
+    tail->resize(list_size_ + static_cast<size_t>(n));
+    ring_ = first_ = tail->data() + list_size_;
+  } else {
+    ring_ = pool.ring_.data();
+    ring_end_ = ring_ + num_pages_;
+    fits_ = n <= num_pages_ - pool.free_count_;  // else the block would overwrite free pages
+    // Appended after the last free page, or prepended: the block ends at the head.
+    int64_t at = dest == Destination::kAppend ? pool.head_ + pool.free_count_ : pool.head_ - n;
+    if (at >= num_pages_) at -= num_pages_;
+    if (at < 0) at += num_pages_;
+    first_ = ring_ + at;
+  }
+  next_ = first_;
+}
+
+inline std::vector<int64_t>* PagePool::Releaser::list() {
+  switch (dest_) {
+    case Destination::kStaged: return &pool_.staged_;
+    case Destination::kGroupIndex: return &pool_.group_index_pages_;
+    case Destination::kGroupPages: return &pool_.group_page_ids_;
+    default: return nullptr;
+  }
+}
+
+inline void PagePool::Releaser::commit() {
+  committed_ = true;
+  if (std::vector<int64_t>* tail = list()) {
+    tail->resize(list_size_ + static_cast<size_t>(count_));
+    return;
+  }
+  if (dest_ == Destination::kPrepend) pool_.head_ = first_ - ring_;  // all n placed: the block ends at the old head
+  pool_.free_count_ += count_;
+}
+
+inline void PagePool::Releaser::undo() {
+  const int64_t* page = first_;
+  for (int64_t k = 0; k < count_; ++k) {
+    state_[*page] = PageState::kHeld;
+    if (++page == ring_end_) page = ring_;
+  }
+  if (std::vector<int64_t>* tail = list()) tail->resize(list_size_);
+}
 
 template <class PrefixEnd>
 void PagePool::write_slots(const BatchLengths& batch, int64_t num_tokens, const PrefixEnd& prefix_end,
@@ -241,7 +343,8 @@ class HostHybridStore final : public HybridStore {
   void clear_mapping(Span full_indices) override;
   void claim_swa_of_pages(Span indices, bool full_claimed, Call call) override;
   void claim_swa_of_reps(Span indices, Call call) override;
-  void claim_reps_on_both(Span indices, Call call) override;
+  bool free_reps_at_once(Span indices, bool full_side, bool swa_side, Destination full_dest,
+                         Destination swa_dest) override;
   void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) override;
   void confirm_claims() override {}
   void undo_claims() override;

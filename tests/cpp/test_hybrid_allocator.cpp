@@ -140,3 +140,30 @@ TEST(Hybrid, AFaultIsNamedByTheFullPoolsChecksFirst) {
     f.alloc.check_invariants();
   }
 }
+
+TEST(Hybrid, AFaultySegmentNamingMorePagesThanAreHeldChangesNothing) {
+  // The one-pass free places pages as it claims them; a segment of more pages than the
+  // pools hold must not place any where a free page lies, at any destination.
+  for (const int64_t ps : {1, 4}) {
+    for (const bool need_sort : {false, true}) {
+      for (const bool grouped : {false, true}) {
+        Fixture f(64 * ps, 64 * ps, ps, need_sort);
+        const V a = f.extend({0}, {2 * ps}, {-1}, 2 * ps);  // two pages held on each side
+        if (grouped) f.alloc.free_group_begin();
+        const auto before = f.alloc.backup_state();
+        V segment(a);
+        for (int64_t page = 10; page < 60; ++page)  // free pages after the held ones
+          for (int64_t k = 0; k < ps; ++k) segment.push_back(page * ps + k);
+        EXPECT_THROW(f.alloc.free_segment(segment, 0), ArgumentError);
+        EXPECT_THROW(f.alloc.free_swa_segment(segment, 0), ArgumentError);
+        EXPECT_THROW(f.alloc.free_full_segment(segment, 0), ArgumentError);
+        EXPECT_TRUE(f.alloc.backup_state() == before) << "ps=" << ps << " need_sort=" << need_sort;
+        f.alloc.free_segment(a, 0);
+        if (grouped) f.alloc.free_group_end();
+        EXPECT_EQ(f.alloc.full_available_size(), 64 * ps);
+        EXPECT_EQ(f.alloc.swa_available_size(), 64 * ps);
+        f.alloc.check_invariants();
+      }
+    }
+  }
+}
