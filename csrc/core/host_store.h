@@ -236,58 +236,6 @@ class PagePool final : public PoolStore {
   std::vector<int64_t> claimed_;            // the current call's claims, in first-seen order
 };
 
-// Inline, so that a loop placing pages keeps the Releaser in registers.
-inline PagePool::Releaser::Releaser(PagePool& pool, int64_t n, Destination dest)
-    : pool_(pool), dest_(dest), state_(pool.state_.data()), geometry_(pool.geometry_),
-      num_pages_(pool.num_pages_) {
-  if (std::vector<int64_t>* tail = list()) {
-    placed_state_ = dest == Destination::kStaged        ? PageState::kStaged
-                    : dest == Destination::kGroupIndex ? PageState::kQueuedByIndex
-                                                       : PageState::kQueuedByPage;
-    list_size_ = tail->size();
-    tail->resize(list_size_ + static_cast<size_t>(n));
-    ring_ = first_ = tail->data() + list_size_;
-  } else {
-    ring_ = pool.ring_.data();
-    ring_end_ = ring_ + num_pages_;
-    fits_ = n <= num_pages_ - pool.free_count_;  // else the block would overwrite free pages
-    // Appended after the last free page, or prepended: the block ends at the head.
-    int64_t at = dest == Destination::kAppend ? pool.head_ + pool.free_count_ : pool.head_ - n;
-    if (at >= num_pages_) at -= num_pages_;
-    if (at < 0) at += num_pages_;
-    first_ = ring_ + at;
-  }
-  next_ = first_;
-}
-
-inline std::vector<int64_t>* PagePool::Releaser::list() {
-  switch (dest_) {
-    case Destination::kStaged: return &pool_.staged_;
-    case Destination::kGroupIndex: return &pool_.group_index_pages_;
-    case Destination::kGroupPages: return &pool_.group_page_ids_;
-    default: return nullptr;
-  }
-}
-
-inline void PagePool::Releaser::commit() {
-  committed_ = true;
-  if (std::vector<int64_t>* tail = list()) {
-    tail->resize(list_size_ + static_cast<size_t>(count_));
-    return;
-  }
-  if (dest_ == Destination::kPrepend) pool_.head_ = first_ - ring_;  // all n placed: the block ends at the old head
-  pool_.free_count_ += count_;
-}
-
-inline void PagePool::Releaser::undo() {
-  const int64_t* page = first_;
-  for (int64_t k = 0; k < count_; ++k) {
-    state_[*page] = PageState::kHeld;
-    if (++page == ring_end_) page = ring_;
-  }
-  if (std::vector<int64_t>* tail = list()) tail->resize(list_size_);
-}
-
 template <class PrefixEnd>
 void PagePool::write_slots(const BatchLengths& batch, int64_t num_tokens, const PrefixEnd& prefix_end,
                            int64_t* out) const {
