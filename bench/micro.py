@@ -3,7 +3,9 @@
 Every measured case is one allocator call (or, for ``alloc_extend_swa_tail``, a
 batch-1 operation, one call per request of the batch) made from the same
 allocator state every iteration. The implementations are timed in the same
-process, alternating inside one loop (the order rotates every iteration):
+process, alternating inside one loop, in a new random order every round (a rotation
+would keep each implementation behind the same one, and what runs before a call decides
+how cold its caches are):
 
 * ``native``: ``swa_ext.SWATokenToKVPoolAllocator``;
 * ``baseline``: ``swa_ext_bench.BaselineSWAAllocator``, the same contract in
@@ -60,6 +62,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -337,7 +340,7 @@ def _stats(ns: Sequence[int]) -> Dict[str, float]:
 def _measure(case: _Case, calls: Dict[str, Callable], iters: Optional[int], seconds: float, warmup: int,
              flush: Optional[torch.Tensor] = None):
     """Times every implementation of ``calls`` (``_Case.op``): each round calls each once,
-    the order rotating, its state restored first. Before that, untimed, each
+    in a new random order (seeded), its state restored first. Before that, untimed, each
     reference's call is checked against native's (``_Case.mismatch``). Returns the
     times (ns) by name, the rounds, and what differed by reference (None: nothing)."""
     cuda = case.device.startswith("cuda")
@@ -359,9 +362,13 @@ def _measure(case: _Case, calls: Dict[str, Callable], iters: Optional[int], seco
             del r_other
     del r_native
 
-    def one_round(i, record):
-        for k in range(len(slots)):
-            name, fn, restore = slots[(i + k) % len(slots)]
+    order = list(range(len(slots)))
+    shuffle = random.Random(0).shuffle
+
+    def one_round(record):
+        shuffle(order)
+        for k in order:
+            name, fn, restore = slots[k]
             if restore is not None:
                 restore()
             if flush is not None:
@@ -379,17 +386,17 @@ def _measure(case: _Case, calls: Dict[str, Callable], iters: Optional[int], seco
     gc.disable()  # run() collected once up front; reference counting frees the rest
     try:
         started = time.perf_counter()
-        one_round(0, False)
+        one_round(False)
         per_round = time.perf_counter() - started
         # A second warm-up round unless one round already eats a tenth of the budget.
-        for i in range(1, warmup if per_round * 10 < seconds else 1):
+        for _ in range(1, warmup if per_round * 10 < seconds else 1):
             t = time.perf_counter()
-            one_round(i, False)
+            one_round(False)
             per_round = time.perf_counter() - t
         if iters is None:
             iters = int(max(MIN_ITERS, min(MAX_ITERS, seconds / max(per_round, 1e-9))))
-        for i in range(iters):
-            one_round(i, True)
+        for _ in range(iters):
+            one_round(True)
     finally:
         if gc_was_enabled:
             gc.enable()

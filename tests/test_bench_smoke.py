@@ -210,3 +210,18 @@ def test_a_reference_that_differs_from_native_is_reported_on_its_row(monkeypatch
     assert captured.err.splitlines()[0].endswith("  BASELINE DIFFERS: returned indices"), captured.err
     assert "| cpu | alloc_decode ⚠ |" in captured.out
     assert "- cpu alloc_decode B=1 ps=16: baseline: returned indices" in captured.out
+
+
+def test_every_implementation_runs_behind_every_other():
+    """What ran just before a call decides how cold its caches are, so no implementation
+    may always follow the same ones (rotating one order of four never puts native
+    behind the baseline)."""
+    case = micro._Case(2, 16, "cpu")
+    sequence = []
+    names = ("native", "baseline", "sglang", "floor")
+    calls = {name: (lambda name=name: sequence.append(name)) for name in names}
+    micro._measure(case, calls, 40, 1.0, 1)
+    timed = sequence[-4 * 40:]
+    assert sorted(timed) == sorted(list(names) * 40)
+    follows = {(a, b) for a, b in zip(timed, timed[1:]) if a != b}
+    assert follows == {(a, b) for a in names for b in names if a != b}, follows
