@@ -272,32 +272,26 @@ inline constexpr char hybrid_free_group_begin[] =
 inline constexpr char hybrid_free_group_end[] =
     "Releases the frees held since free_group_begin(). ValueError when no group is open.";
 
+// The window eviction, as the allocator's method and as swa_ext.decode's function.
+#define SWA_DOC_EVICT                                                                                  \
+  "Frees the SWA KV that slid out of the window, for a whole decode batch in one native call.\n"      \
+  "Request j lives in row rows[j] of req_to_token (the [max_reqs, max_context_len] int32 or\n"       \
+  "int64 slot table, on the allocator's device), has committed length pre_lens[j] (seq_len - 1\n"    \
+  "in a decode step) and evicted length evicted_seqlens[j] (page-aligned); rows, pre_lens and\n"     \
+  "evicted_seqlens are CPU integer tensors or lists of ints, window is in tokens. Returns the\n"      \
+  "new evicted lengths as a CPU int64 tensor; the inputs are not modified. The result and the\n"     \
+  "allocator's state are those of free_swa_segment(row[evicted:new], start_pos=evicted) per\n"       \
+  "due request in batch order. interval: evict only once at least interval more tokens are\n"       \
+  "out of the window; prefix_sharing: keep a whole page-rounded window (a radix cache may still\n"   \
+  "match the tokens). The batch is checked first: ValueError (a bad value) or TypeError (a bad\n"    \
+  "type; a bool is not an int), naming the argument, changes nothing.\n"
+
 inline constexpr char hybrid_evict_out_of_window[] =
-    "Frees, for a whole decode batch in one call, the SWA pages that slid out of the window.\n"
-    "req_to_token: the [max_reqs, max_context_len] int32/int64 slot table on the device;\n"
-    "rows, pre_lens, evicted_seqlens: CPU int64 tensors, one entry per request (its row, its\n"
-    "committed length in tokens, its page-aligned evicted length); window in tokens.\n"
-    "Returns the new evicted lengths, a CPU int64 tensor; the inputs are not modified. Same\n"
-    "result and state as one free_swa_segment(row[evicted:new], start_pos=evicted) per due\n"
-    "request in batch order. interval: evict only once at least interval more tokens are out\n"
-    "of the window; prefix_sharing: keep a whole page-rounded window (a radix cache may\n"
-    "still match the tokens). The batch is checked first: ValueError or TypeError, naming the\n"
-    "argument and entry, changes nothing. swa_ext.decode.evict_out_of_window is the same call\n"
-    "with the allocator as its first argument.";
+    SWA_DOC_EVICT "swa_ext.decode.evict_out_of_window is the same call with the allocator first.";
 
 inline constexpr char evict_out_of_window[] =
-    "Frees the SWA KV that slid out of the window, for a whole decode batch in one native call.\n"
-    "Request j lives in row rows[j] of req_to_token (the [max_reqs, max_context_len] int32 or\n"
-    "int64 slot table, on the allocator's device), has committed length pre_lens[j] (seq_len - 1\n"
-    "in a decode step) and evicted length evicted_seqlens[j] (page-aligned); rows, pre_lens and\n"
-    "evicted_seqlens are CPU integer tensors or lists of ints, window is in tokens. Returns the\n"
-    "new evicted lengths as a CPU int64 tensor; the inputs are not modified. The result and the\n"
-    "allocator's state are those of free_swa_segment(row[evicted:new], start_pos=evicted) per\n"
-    "due request in batch order. interval: evict only once at least interval more tokens are\n"
-    "out of the window; prefix_sharing: keep a whole page-rounded window (a radix cache may still\n"
-    "match the tokens). The batch is checked first: ValueError (a bad value) or TypeError (a bad\n"
-    "type; a bool is not an int), naming the argument, changes nothing. It is the allocator's\n"
-    "evict_out_of_window method as a function, with no Python frame in between.";
+    SWA_DOC_EVICT "It is the allocator's evict_out_of_window method as a function of the allocator, so that\n"
+    "a decode step pays no Python frame for it.";
 
 inline constexpr char hybrid_clear[] =
     "Both pools free again, the mapping zeroed (but its -1 sentinel), no free group open.";
@@ -331,5 +325,6 @@ inline constexpr char hybrid_restore_state[] =
 #undef SWA_DOC_REFUSAL
 #undef SWA_DOC_RAISES
 #undef SWA_DOC_DEFERRED
+#undef SWA_DOC_EVICT
 
 }  // namespace swa_docs
