@@ -15,6 +15,14 @@
 
 namespace swa {
 
+// The page of slot if it lies in a pool of num_pages pages and is held, so that a free
+// may claim it; -1 where claiming it (a repeat being a double free) would throw.
+inline int64_t held_page(int64_t slot, const PageGeometry& geometry, int64_t num_pages, const PageState* state) {
+  if (!slot_in_pool(slot, geometry, num_pages)) return -1;
+  const int64_t page = geometry.page(slot);
+  return state[page] == PageState::kHeld ? page : -1;
+}
+
 class PagePool final : public PoolStore {
  public:
   PagePool(int64_t size, int64_t page_size, bool need_sort);
@@ -109,9 +117,8 @@ class PagePool final : public PoolStore {
     // Claims the page of slot; false, with nothing changed, where claim(arg,
     // page_of(arg, slot), false) would throw.
     bool claim_slot(int64_t slot) {
-      if (!slot_in_pool(slot, geometry_, num_pages_)) return false;
-      const int64_t page = geometry_.page(slot);
-      if (state_[page] != PageState::kHeld) return false;
+      const int64_t page = held_page(slot, geometry_, num_pages_, state_);
+      if (page < 0) return false;
       state_[page] = PageState::kClaimed;
       pool_.claimed_.push_back(page);
       return true;
@@ -157,9 +164,8 @@ class PagePool final : public PoolStore {
     // in one step. False, with nothing changed, where a claim of it (a repeat being a
     // double free) would throw.
     bool release_slot(int64_t slot) {
-      if (!slot_in_pool(slot, geometry_, num_pages_)) return false;
-      const int64_t page = geometry_.page(slot);
-      if (state_[page] != PageState::kHeld) return false;
+      const int64_t page = held_page(slot, geometry_, num_pages_, state_);
+      if (page < 0) return false;
       place(page);
       return true;
     }

@@ -48,10 +48,18 @@ struct IntArg {
   swa::Span span() const { return swa::Span(tensor.data_ptr<int64_t>(), tensor.numel()); }
 };
 
-IntArg int_arg(const char* name, const py::handle& obj, const c10::Device& device) {
+// The name of obj's type, for an error message.
+std::string type_name(const py::handle& obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
+
+// obj as a tensor; TypeError naming the argument for anything else.
+const at::Tensor& tensor_arg(const char* name, const py::handle& obj) {
   if (!THPVariable_Check(obj.ptr()))
-    throw py::type_error(std::string(name) + ": expected a torch.Tensor, got " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
-  const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    throw py::type_error(std::string(name) + ": expected a torch.Tensor, got " + type_name(obj));
+  return THPVariable_Unpack(obj.ptr());
+}
+
+IntArg int_arg(const char* name, const py::handle& obj, const c10::Device& device) {
+  const at::Tensor& t = tensor_arg(name, obj);
   if (t.scalar_type() != at::kLong && t.scalar_type() != at::kInt)
     throw py::type_error(std::string(name) + ": expected an int64 or int32 tensor, got " + std::string(c10::toString(t.scalar_type())));
   if (t.device() != device)
@@ -257,7 +265,7 @@ int64_t int_value(const char* name, const py::handle& obj) {
   PyObject* index = PyNumber_Index(obj.ptr());
   if (index == nullptr) {
     PyErr_Clear();
-    throw py::type_error(std::string(name) + ": expected an int, got " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+    throw py::type_error(std::string(name) + ": expected an int, got " + type_name(obj));
   }
   const long long value = PyLong_AsLongLong(index);
   Py_DECREF(index);
@@ -274,7 +282,7 @@ IntArg cpu_values_arg(const char* name, const py::handle& obj) {
   if (THPVariable_Check(obj.ptr())) return int_arg(name, obj, c10::Device(c10::kCPU));
   if (!PyList_Check(obj.ptr()) && !PyTuple_Check(obj.ptr()))
     throw py::type_error(std::string(name) + ": expected a CPU int64 tensor or a list of ints, got " +
-                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+                         type_name(obj));
   const py::sequence values = py::reinterpret_borrow<py::sequence>(obj);
   at::Tensor tensor = at::detail::empty_cpu({static_cast<int64_t>(values.size())}, at::kLong);
   int64_t* out = tensor.data_ptr<int64_t>();
@@ -287,9 +295,7 @@ IntArg cpu_values_arg(const char* name, const py::handle& obj) {
 }
 
 swa::SlotRows slot_rows(const py::handle& obj, const c10::Device& device) {
-  if (!THPVariable_Check(obj.ptr()))
-    throw py::type_error("req_to_token: expected a torch.Tensor, got " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
-  const at::Tensor& req_to_token = THPVariable_Unpack(obj.ptr());
+  const at::Tensor& req_to_token = tensor_arg("req_to_token", obj);
   if (req_to_token.dim() != 2 || !req_to_token.is_contiguous())
     throw py::value_error("req_to_token: expected a contiguous 2-D tensor");
   if (req_to_token.device() != device) throw py::type_error("req_to_token: expected a tensor on " + device.str());
