@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import golden_replay
 import swa_ext
-from swa_ext import decode, reference
+from swa_ext import _C, decode, reference
 from swa_ext_bench import bench_evict
 from swa_ext_bench.evict_baseline import evict_per_request
 
@@ -42,7 +42,7 @@ def _grid_lengths(window, page_size):
     return sorted(v for v in near if v >= 0) + [-1]
 
 
-@pytest.mark.parametrize("page_size", [1, 2, 4, 16, 64])
+@pytest.mark.parametrize("page_size", [1, 2, 4, 12, 16, 64])
 def test_swa_tail_len_matches_the_rule(page_size):
     windows = sorted({1, 2, 3, page_size - 1, page_size, page_size + 1, 40, 128} - {0})
     checked = 0
@@ -58,7 +58,7 @@ def test_swa_tail_len_matches_the_rule(page_size):
     assert checked > 50
 
 
-@pytest.mark.parametrize("page_size", [1, 4, 16, 64])
+@pytest.mark.parametrize("page_size", [1, 4, 12, 16, 64])
 def test_evicted_after_step_matches_the_rule(page_size):
     for window in (1, 3, page_size, 40, 128):
         for evicted in range(0, 3 * page_size + 1, page_size):
@@ -77,6 +77,21 @@ def test_swa_tail_len_rejects_bad_arguments():
         decode.swa_tail_len(10, 0, 4)
     with pytest.raises(TypeError, match="seq_len"):
         decode.swa_tail_len(10.0, 4, 4)
+
+
+@pytest.mark.parametrize("call, args, bad", [
+    (_C.swa_tail_len, (10, 4, 0), "page_size"),
+    (_C.swa_tail_len, (10, 0, 4), "window"),
+    (_C.evicted_after_step, (0, 100, 4, 0), "page_size"),
+    (_C.evicted_after_step, (0, 100, 4, -16), "page_size"),
+    (_C.evicted_after_step, (0, 100, 0, 4), "window"),
+    (_C.evicted_after_step, (0, 100, 4, 4, 0), "interval"),
+])
+def test_the_native_window_rules_check_their_arguments(call, args, bad):
+    # The native functions, not only decode's wrappers: a page size of 0 divided by zero
+    # there and killed the process.
+    with pytest.raises(ValueError, match=f"^{bad}: must be >= 1"):
+        call(*args)
 
 
 # --------------------------------------------------------------------------- ReqToTokenPool

@@ -28,7 +28,7 @@ AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& l
 }  // namespace
 
 void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size) {
-  if (page_size < 1) fail("page_size", "must be >= 1, got ", page_size);
+  check_at_least_one("page_size", page_size);
   if (size < page_size) fail(size_arg, "must hold at least one page of ", page_size, " tokens, got ", size);
 }
 
@@ -108,8 +108,8 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
   const int64_t bs = rows.size;
   if (pre_lens.size != bs) fail("pre_lens", "has ", pre_lens.size, " entries for ", bs, " rows");
   if (evicted_seqlens.size != bs) fail("evicted_seqlens", "has ", evicted_seqlens.size, " entries for ", bs, " rows");
-  if (window < 1) fail("window", "must be >= 1, got ", window);
-  if (interval < 1) fail("interval", "must be >= 1, got ", interval);
+  check_at_least_one("window", window);
+  check_at_least_one("interval", interval);
   plan.row.clear();
   plan.evicted.clear();
   plan.page_begin.assign(1, 0);
@@ -120,7 +120,7 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
     if (pre_len < 0 || pre_len > row_len) fail("pre_lens", "entry ", j, " (", pre_len, ") is outside [0, ", row_len, "]");
     if (evicted < 0 || evicted > pre_len || page.offset(evicted) != 0)
       fail("evicted_seqlens", "entry ", j, " (", evicted, ") must be page-aligned and within [0, pre_len]");
-    new_evicted[j] = evicted_after_step(evicted, pre_len, window, page.size, interval, prefix_sharing);
+    new_evicted[j] = evicted_after_step(evicted, pre_len, window, page, interval, prefix_sharing);
     if (new_evicted[j] == evicted) continue;
     plan.row.push_back(row);
     plan.evicted.push_back(evicted);
@@ -129,6 +129,11 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
   const int64_t total = plan.total_pages();
   for (int64_t j = 0; j < plan.num_due(); ++j)
     plan.release_offset.push_back(dest == Destination::kPrepend ? total - plan.page_begin[j + 1] : plan.page_begin[j]);
+}
+
+int64_t check_at_least_one(const char* arg, int64_t value) {
+  if (value < 1) fail(arg, "must be >= 1, got ", value);
+  return value;
 }
 
 }  // namespace swa

@@ -170,6 +170,8 @@ struct EvictionPlan {
 void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
                           int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
                           Destination dest, int64_t* new_evicted, EvictionPlan& plan);
+// A page size, window or interval of the window rules (rules.h): at least 1; returns it.
+int64_t check_at_least_one(const char* arg, int64_t value);
 
 // ---------------------------------------------------------------- mapping
 

@@ -49,8 +49,6 @@ SWA_HD bool repeats_a_claim(PageState state, bool repeat_ok) {
   return repeat_ok && (state == PageState::kClaimed || state == PageState::kQueuedByIndex);
 }
 
-SWA_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Page arithmetic of one page size on non-negative slots and lengths. Page sizes are
 // powers of two in practice; shifts and masks then keep integer division (tens of
 // cycles each) off the per-request paths.
@@ -68,8 +66,6 @@ struct PageGeometry {
   SWA_HD int64_t pages_for(int64_t tokens) const { return page(tokens + size - 1); }
   SWA_HD int64_t floor(int64_t tokens) const { return tokens - offset(tokens); }
 };
-
-SWA_HD int64_t floor_to_page(int64_t n, int64_t page_size) { return PageGeometry(page_size).floor(n); }
 
 // Whether a slot lies in the pages of a pool of num_pages pages; page 0, the padding
 // page, is never handed out, so no valid slot lies in it.
@@ -142,29 +138,30 @@ SWA_HD int64_t extend_slot(int64_t t, int64_t prefix_len, int64_t seq_len, int64
 
 // Decode side of disaggregation: how many of the last tokens of a seq_len-token
 // prompt need SWA KV. The cut is page-aligned so evicted lengths stay aligned.
-SWA_HD int64_t swa_tail_len(int64_t seq_len, int64_t window, int64_t page_size, bool radix_cache) {
+SWA_HD int64_t swa_tail_len(int64_t seq_len, int64_t window, const PageGeometry& page, bool radix_cache) {
   if (seq_len <= 0) return 0;
   int64_t start;
   if (radix_cache) {
     // Keep a whole window behind the page-aligned insert boundary of the radix cache.
-    const int64_t keep = window > page_size ? window : page_size;
+    const int64_t keep = window > page.size ? window : page.size;
     start = seq_len - 1 - keep;
   } else {
     start = seq_len - window;
   }
   if (start < 0) start = 0;
-  return seq_len - floor_to_page(start, page_size);
+  return seq_len - page.floor(start);
 }
 
 // Window eviction during decode: the new evicted length of a request whose committed
-// length is pre_len; equal to `evicted` when nothing is due.
-SWA_HD int64_t evicted_after_step(int64_t evicted, int64_t pre_len, int64_t window, int64_t page_size,
+// length is pre_len; equal to `evicted` when nothing is due. It runs for every request of
+// every decode step, so it takes the page geometry made once per call, not a page size.
+SWA_HD int64_t evicted_after_step(int64_t evicted, int64_t pre_len, int64_t window, const PageGeometry& page,
                                   int64_t interval, bool prefix_sharing) {
   if (pre_len - window < evicted + interval) return evicted;
   int64_t keep = window;
-  if (prefix_sharing) keep = cdiv(window > page_size ? window : page_size, page_size) * page_size;
+  if (prefix_sharing) keep = page.pages_for(window > page.size ? window : page.size) * page.size;
   const int64_t target = pre_len - keep > evicted ? pre_len - keep : evicted;
-  const int64_t aligned = floor_to_page(target, page_size);
+  const int64_t aligned = page.floor(target);
   return aligned > evicted ? aligned : evicted;
 }
 

@@ -14,7 +14,7 @@ TEST(Rules, PageGeometryMatchesDivision) {
     for (int64_t n = 0; n < 4 * size + 3; ++n) {
       ASSERT_EQ(page.page(n), n / size) << size << " " << n;
       ASSERT_EQ(page.offset(n), n % size) << size << " " << n;
-      ASSERT_EQ(page.pages_for(n), cdiv(n, size)) << size << " " << n;
+      ASSERT_EQ(page.pages_for(n), (n + size - 1) / size) << size << " " << n;
       ASSERT_EQ(page.floor(n), n / size * size) << size << " " << n;
     }
   }
@@ -54,21 +54,21 @@ TEST(Rules, DecodeIsAnExtendByOne) {
 }
 
 TEST(Rules, SwaTailLen) {
-  EXPECT_EQ(swa_tail_len(0, 40, 16, false), 0);
-  EXPECT_EQ(swa_tail_len(30, 40, 16, false), 30);   // shorter than the window: all of it
-  EXPECT_EQ(swa_tail_len(68, 40, 16, false), 52);   // start 28 -> 16
-  EXPECT_EQ(swa_tail_len(68, 40, 16, true), 52);    // 68-1-40 = 27 -> 16
-  EXPECT_EQ(swa_tail_len(100, 40, 16, true), 52);   // 100-1-40 = 59 -> 48
-  EXPECT_EQ(swa_tail_len(100, 4, 16, true), 20);    // keep max(W, ps) = 16: 83 -> 80
-  EXPECT_EQ(swa_tail_len(10, 24, 1, false), 10);
-  EXPECT_EQ(swa_tail_len(30, 24, 1, false), 24);
+  EXPECT_EQ(swa_tail_len(0, 40, PageGeometry(16), false), 0);
+  EXPECT_EQ(swa_tail_len(30, 40, PageGeometry(16), false), 30);   // shorter than the window: all of it
+  EXPECT_EQ(swa_tail_len(68, 40, PageGeometry(16), false), 52);   // start 28 -> 16
+  EXPECT_EQ(swa_tail_len(68, 40, PageGeometry(16), true), 52);    // 68-1-40 = 27 -> 16
+  EXPECT_EQ(swa_tail_len(100, 40, PageGeometry(16), true), 52);   // 100-1-40 = 59 -> 48
+  EXPECT_EQ(swa_tail_len(100, 4, PageGeometry(16), true), 20);    // keep max(W, ps) = 16: 83 -> 80
+  EXPECT_EQ(swa_tail_len(10, 24, PageGeometry(1), false), 10);
+  EXPECT_EQ(swa_tail_len(30, 24, PageGeometry(1), false), 24);
 }
 
 TEST(Rules, EvictedAfterStep) {
-  EXPECT_EQ(evicted_after_step(0, 40, 40, 16, 1, false), 0);   // nothing out of window yet
-  EXPECT_EQ(evicted_after_step(0, 56, 40, 16, 1, false), 16);  // 16 tokens out: one page
-  EXPECT_EQ(evicted_after_step(16, 60, 40, 16, 1, false), 16); // 20 out, not yet a new page
-  EXPECT_EQ(evicted_after_step(0, 56, 40, 16, 32, false), 0);  // interval not reached
-  EXPECT_EQ(evicted_after_step(0, 120, 40, 16, 1, true), 64);  // keeps cdiv(40,16)*16 = 48: 72 -> 64
-  EXPECT_EQ(evicted_after_step(5, 30, 24, 1, 1, false), 6);
+  EXPECT_EQ(evicted_after_step(0, 40, 40, PageGeometry(16), 1, false), 0);   // nothing out of window yet
+  EXPECT_EQ(evicted_after_step(0, 56, 40, PageGeometry(16), 1, false), 16);  // 16 tokens out: one page
+  EXPECT_EQ(evicted_after_step(16, 60, 40, PageGeometry(16), 1, false), 16); // 20 out, not yet a new page
+  EXPECT_EQ(evicted_after_step(0, 56, 40, PageGeometry(16), 32, false), 0);  // interval not reached
+  EXPECT_EQ(evicted_after_step(0, 120, 40, PageGeometry(16), 1, true), 64);  // keeps 40 rounded up to a page, 48: 72 -> 64
+  EXPECT_EQ(evicted_after_step(5, 30, 24, PageGeometry(1), 1, false), 6);
 }
