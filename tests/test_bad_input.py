@@ -233,6 +233,21 @@ def test_negative_lengths_and_prefix_past_seq(world):
     expect(w, ValueError, "alloc", -1 * w.ps)
 
 
+def test_lengths_whose_sums_overflow_int64(world):
+    # Two lengths near 2**63 sum to 1 modulo 2**64: the wrapped sum passed the
+    # extend_num_tokens check and sized the output for one slot, and the write ran past
+    # it (a segfault). Lengths beyond 2**62 (no pool holds them) and sums past int64 are
+    # refused by name; the reference, in Python ints, has no such limit.
+    w = world
+    big = 2**63 - 1
+    for seq, n in (([big, big, 3], 1), ([2**62, 2**62], 0), ([2**62 + 1], 2**62 + 1)):
+        k = len(seq)
+        err = expect(w, ValueError, "alloc_extend", T([0] * k), T([0] * k), T(seq), T(seq), T([-1] * k), n, ref=False)
+        assert str(err).startswith("seq_lens: "), err
+    err = expect(w, ValueError, "alloc_decode", T([big]), T([big]), T([w.a[-1]]), ref=False)
+    assert str(err).startswith("seq_lens: "), err
+
+
 def test_last_loc_must_match_the_prefix(world):
     w = world
     ps = w.ps

@@ -62,7 +62,7 @@ def test_swa_tail_len_matches_the_rule(page_size):
 def test_evicted_after_step_matches_the_rule(page_size):
     for window in (1, 3, page_size, 40, 128):
         for evicted in range(0, 3 * page_size + 1, page_size):
-            for pre_len in range(0, evicted + window + 3 * page_size + 2):
+            for pre_len in range(evicted, evicted + window + 3 * page_size + 2):
                 for interval in (1, 2, page_size + 1):
                     for sharing in (False, True):
                         got = decode.evicted_after_step(evicted, pre_len, window, page_size, interval, sharing)
@@ -86,12 +86,27 @@ def test_swa_tail_len_rejects_bad_arguments():
     (_C.evicted_after_step, (0, 100, 4, -16), "page_size"),
     (_C.evicted_after_step, (0, 100, 0, 4), "window"),
     (_C.evicted_after_step, (0, 100, 4, 4, 0), "interval"),
+    (_C.evicted_after_step, (8, 4, 4, 4), "evicted"),
+    (_C.evicted_after_step, (-4, 100, 4, 4), "evicted"),
+    (_C.evicted_after_step, (2, 100, 4, 4), "evicted"),
+    (_C.evicted_after_step, (0, -1, 4, 4), "pre_len"),
 ])
 def test_the_native_window_rules_check_their_arguments(call, args, bad):
     # The native functions, not only decode's wrappers: a page size of 0 divided by zero
     # there and killed the process.
-    with pytest.raises(ValueError, match=f"^{bad}: must be >= 1"):
+    with pytest.raises(ValueError, match=f"^{bad}: "):
         call(*args)
+
+
+def test_evicted_after_step_takes_extreme_windows_and_intervals():
+    # pre_len - window < evicted + interval, evaluated without an int64 overflow: an
+    # interval or window past any length never evicts.
+    big = 2**63 - 1
+    assert decode.evicted_after_step(64, 4096, 128, 64, interval=big) == 64
+    assert decode.evicted_after_step(64, 4096, big, 64) == 64
+    assert decode.evicted_after_step(0, big, 1, 64, interval=big) == 0
+    assert decode.evicted_after_step(64, 4096, 128, 64, interval=4096 - 64 - 128) == 3968
+    assert decode.evicted_after_step(64, 4096, 128, 64, interval=4096 - 64 - 128 + 1) == 64
 
 
 # --------------------------------------------------------------------------- ReqToTokenPool

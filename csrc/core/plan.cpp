@@ -4,6 +4,10 @@ namespace swa {
 
 namespace {
 
+// Longer than any pool can hold, and short enough that the page arithmetic on it
+// (rounding up to a page) cannot overflow.
+constexpr int64_t kMaxLength = int64_t{1} << 62;
+
 // Checks a batch's lengths and the size of its last_loc; returns its new pages.
 AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
                      const PageGeometry& page) {
@@ -17,8 +21,12 @@ AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& l
     if (batch.decode && seq < 1) fail("seq_lens", "entry ", j, " is ", seq, "; a decode step needs >= 1");
     if (prefix < 0) fail("prefix_lens", "entry ", j, " is negative (", prefix, ")");
     if (seq < prefix) fail("seq_lens", "entry ", j, " (", seq, ") is below its prefix length ", prefix);
-    tokens += seq - prefix;
-    pages += new_page_count(prefix, seq, page);
+    if (seq > kMaxLength) fail("seq_lens", "entry ", j, " (", seq, ") is above ", kMaxLength, " tokens");
+    // A sum that wrapped could pass the extend_num_tokens check and size the output
+    // below what the lengths write.
+    if (__builtin_add_overflow(tokens, seq - prefix, &tokens) ||
+        __builtin_add_overflow(pages, new_page_count(prefix, seq, page), &pages))
+      fail("seq_lens", "the batch's lengths sum past the int64 range");
   }
   if (!batch.decode && tokens != extend_num_tokens)
     fail("extend_num_tokens", "is ", extend_num_tokens, " but seq_lens - prefix_lens sums to ", tokens);
@@ -118,7 +126,7 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
     const int64_t row = rows[j], pre_len = pre_lens[j], evicted = evicted_seqlens[j];
     if (row < 0 || row >= num_rows) fail("rows", "entry ", j, " (", row, ") is outside [0, ", num_rows, ")");
     if (pre_len < 0 || pre_len > row_len) fail("pre_lens", "entry ", j, " (", pre_len, ") is outside [0, ", row_len, "]");
-    if (evicted < 0 || evicted > pre_len || page.offset(evicted) != 0)
+    if (!evicted_len_ok(evicted, pre_len, page))
       fail("evicted_seqlens", "entry ", j, " (", evicted, ") must be page-aligned and within [0, pre_len]");
     new_evicted[j] = evicted_after_step(evicted, pre_len, window, page, interval, prefix_sharing);
     if (new_evicted[j] == evicted) continue;
@@ -129,6 +137,12 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
   const int64_t total = plan.total_pages();
   for (int64_t j = 0; j < plan.num_due(); ++j)
     plan.release_offset.push_back(dest == Destination::kPrepend ? total - plan.page_begin[j + 1] : plan.page_begin[j]);
+}
+
+void check_evicted_len(int64_t evicted, int64_t pre_len, const PageGeometry& page) {
+  if (pre_len < 0) fail("pre_len", "is negative (", pre_len, ")");
+  if (!evicted_len_ok(evicted, pre_len, page))
+    fail("evicted", evicted, " must be page-aligned and within [0, pre_len = ", pre_len, "]");
 }
 
 int64_t check_at_least_one(const char* arg, int64_t value) {

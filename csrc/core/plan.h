@@ -172,6 +172,9 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
                           Destination dest, int64_t* new_evicted, EvictionPlan& plan);
 // A page size, window or interval of the window rules (rules.h): at least 1; returns it.
 int64_t check_at_least_one(const char* arg, int64_t value);
+// One request's lengths for evicted_after_step: pre_len >= 0, evicted page-aligned
+// within [0, pre_len].
+void check_evicted_len(int64_t evicted, int64_t pre_len, const PageGeometry& page);
 
 // ---------------------------------------------------------------- mapping
 

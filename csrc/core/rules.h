@@ -99,6 +99,12 @@ SWA_HD bool continues_partial_page(int64_t prefix_len, int64_t seq_len, const Pa
   return page.offset(prefix_len) != 0 && seq_len > prefix_len;
 }
 
+// Whether a request's evicted length fits its committed length pre_len: page-aligned,
+// within [0, pre_len].
+SWA_HD bool evicted_len_ok(int64_t evicted, int64_t pre_len, const PageGeometry& page) {
+  return evicted >= 0 && evicted <= pre_len && page.offset(evicted) == 0;
+}
+
 // Whether swa_last, the mapped SWA slot of full slot last_loc, can be continued.
 template <class StateOfPage>
 SWA_HD bool swa_continuation_ok(int64_t last_loc, int64_t swa_last, const PageGeometry& page, int64_t swa_num_pages,
@@ -157,7 +163,9 @@ SWA_HD int64_t swa_tail_len(int64_t seq_len, int64_t window, const PageGeometry&
 // every decode step, so it takes the page geometry made once per call, not a page size.
 SWA_HD int64_t evicted_after_step(int64_t evicted, int64_t pre_len, int64_t window, const PageGeometry& page,
                                   int64_t interval, bool prefix_sharing) {
-  if (pre_len - window < evicted + interval) return evicted;
+  // pre_len - window < evicted + interval, written so that no step can overflow: with
+  // 0 <= evicted <= pre_len and window, interval >= 1 (checked by the callers).
+  if (pre_len - evicted - window < interval) return evicted;
   int64_t keep = window;
   if (prefix_sharing) keep = page.pages_for(window > page.size ? window : page.size) * page.size;
   const int64_t target = pre_len - keep > evicted ? pre_len - keep : evicted;

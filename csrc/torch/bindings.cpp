@@ -341,6 +341,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("evicted_after_step", [](int64_t evicted, int64_t pre_len, int64_t window, int64_t page_size, int64_t interval,
                                  bool prefix_sharing) {
           const swa::PageGeometry page(swa::check_at_least_one("page_size", page_size));
+          swa::check_evicted_len(evicted, pre_len, page);
           return swa::evicted_after_step(evicted, pre_len, swa::check_at_least_one("window", window), page,
                                          swa::check_at_least_one("interval", interval), prefix_sharing);
         }, swa_docs::evicted_after_step, py::arg("evicted"), py::arg("pre_len"), py::arg("window"), py::arg("page_size"),
