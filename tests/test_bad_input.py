@@ -446,6 +446,12 @@ def test_bad_constructor_arguments():
         swa_ext.PagedTokenToKVPoolAllocator(64, 4, torch.bfloat16, "meta")
     with pytest.raises(ValueError):
         swa_ext.TokenToKVPoolAllocator(-1, torch.bfloat16, "cpu")
+    # Past 2**62 tokens the mapping's size (size + page_size + 1) would overflow int64.
+    for size, size_swa, bad in ((2**63 - 1, 64, "size"), (64, 2**63 - 1, "size_swa"), (2**62 + 1, 64, "size")):
+        with pytest.raises(ValueError, match=f"^{bad}: is above 4611686018427387904 tokens"):
+            swa_ext.SWATokenToKVPoolAllocator(size, size_swa, 16, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="^size: is above"):
+        swa_ext.PagedTokenToKVPoolAllocator(2**63 - 16, 16, torch.bfloat16, "cpu")
 
 
 def test_restore_state_from_another_shape(world):

@@ -4,8 +4,8 @@ namespace swa {
 
 namespace {
 
-// Longer than any pool can hold, and short enough that the page arithmetic on it
-// (rounding up to a page) cannot overflow.
+// More tokens than any pool can hold, and few enough that the page arithmetic on a
+// length or a pool size (rounding up to a page, the mapping's size) cannot overflow.
 constexpr int64_t kMaxLength = int64_t{1} << 62;
 
 // Checks a batch's lengths and the size of its last_loc; returns its new pages.
@@ -38,10 +38,11 @@ AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& l
 void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size) {
   check_at_least_one("page_size", page_size);
   if (size < page_size) fail(size_arg, "must hold at least one page of ", page_size, " tokens, got ", size);
+  if (size > kMaxLength) fail(size_arg, "is above ", kMaxLength, " tokens, got ", size);
 }
 
 void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size) {
-  if (size_swa < page_size) fail("size_swa", "must hold at least one page of ", page_size, " tokens, got ", size_swa);
+  check_pool_shape("size_swa", size_swa, page_size);
   check_pool_shape("size", size, page_size);
 }
 
