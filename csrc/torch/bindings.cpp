@@ -336,14 +336,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("built_with_cuda", &built_with_cuda, swa_docs::built_with_cuda);
   m.def("swa_tail_len", [](int64_t seq_len, int64_t window, int64_t page_size, bool radix_cache) {
           const swa::PageGeometry page(swa::check_at_least_one("page_size", page_size));
-          return swa::swa_tail_len(seq_len, swa::check_at_least_one("window", window), page, radix_cache);
+          swa::check_at_least_one("window", window);
+          return swa::swa_tail_len(seq_len, window, page, radix_cache);
         }, swa_docs::swa_tail_len, py::arg("seq_len"), py::arg("window"), py::arg("page_size"), py::arg("radix_cache") = false);
   m.def("evicted_after_step", [](int64_t evicted, int64_t pre_len, int64_t window, int64_t page_size, int64_t interval,
                                  bool prefix_sharing) {
           const swa::PageGeometry page(swa::check_at_least_one("page_size", page_size));
+          swa::check_at_least_one("window", window);
+          swa::check_at_least_one("interval", interval);
           swa::check_evicted_len(evicted, pre_len, page);
-          return swa::evicted_after_step(evicted, pre_len, swa::check_at_least_one("window", window), page,
-                                         swa::check_at_least_one("interval", interval), prefix_sharing);
+          return swa::evicted_after_step(evicted, pre_len, window, page, interval, prefix_sharing);
         }, swa_docs::evicted_after_step, py::arg("evicted"), py::arg("pre_len"), py::arg("window"), py::arg("page_size"),
         py::arg("interval") = 1, py::arg("prefix_sharing") = false);
   // The cheapest native call over an allocation's arguments: the floor benchmarks compare with.
