@@ -14,6 +14,7 @@ regimes (1 and 4) and with need_sort on and off.
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -472,8 +473,9 @@ _EXTREMES = (0, 1, -1, 2, 3, 4, 15, 16, 17, 63, 64, 65, 128, 255, 256, 1000, 2**
 
 
 def _hostile_calls(rng, alloc):
-    """Seeded calls mixing the traffic that builds state (fresh requests) with values from
-    _EXTREMES in every integer argument, as int64 or int32 tensors: (name, call)."""
+    """Seeded calls of the allocator's methods mixing the traffic that builds state (fresh
+    requests) with values from _EXTREMES in every integer argument, as int64 or int32
+    tensors: (name, call)."""
     def value():
         return rng.choice(_EXTREMES)
 
@@ -486,71 +488,87 @@ def _hostile_calls(rng, alloc):
             return torch.tensor([max(min(value(), 2**31 - 1), -2**31) for _ in range(n)], dtype=torch.int32)
         return torch.tensor([value() for _ in range(n)], dtype=torch.int64)
 
+    def fresh_requests(n):  # so that the frees find pages
+        s = [rng.choice([1, 2, 5, 16, 33]) for _ in range(n)]
+        zeros = torch.zeros(n, dtype=torch.int64)
+        return lambda: alloc.alloc_extend(zeros, zeros, T(s), T(s), T([-1] * n), sum(s))
+
+    def hostile_extend(n):
+        fresh = rng.random() < 0.5  # no prefix: only the lengths are hostile
+        p = torch.zeros(n, dtype=torch.int64) if fresh else ints(n)
+        s, last = ints(n), T([-1] * n) if fresh else ints(n)
+        # Half the time extend_num_tokens is the lengths' sum as int64 arithmetic wraps it.
+        total = wrapped(sum(s.tolist()) - sum(p.tolist())) if rng.random() < 0.5 else value()
+        return lambda: alloc.alloc_extend(p, p, s, s, last, total)
+
+    def decode_step(n):
+        s, last = ints(n), ints(n)
+        return lambda: alloc.alloc_decode(s, s, last)
+
+    def swa_tail(n):
+        p, s, last, total, tail = ints(1), ints(1), ints(1), value(), value()
+        return lambda: alloc.alloc_extend_swa_tail(p, p, s, s, last, total, tail)
+
+    def evict(n):
+        table = torch.randint(-3, 300, (rng.choice([1, 2, 4]), rng.choice([1, 8, 64])),
+                              dtype=rng.choice([torch.int32, torch.int64]))
+        rows, pre, evicted, window = ints(n), ints(n), ints(n), value()
+        interval, sharing = rng.choice([1, 2, 2**63 - 1]), rng.random() < 0.5
+        return lambda: decode.evict_out_of_window(alloc, table, rows, pre, evicted, window, interval=interval,
+                                                  prefix_sharing=sharing)
+
+    def method(name, *make_args, **make_kwargs):
+        def make(n):
+            args = [a() for a in make_args]
+            kwargs = {k: a() for k, a in make_kwargs.items()}
+            return lambda: getattr(alloc, name)(*args, **kwargs)
+        return name, make
+
+    calls = [("alloc_extend", fresh_requests)] * 3 + [
+        ("alloc_extend", hostile_extend), ("alloc_decode", decode_step), ("alloc_extend_swa_tail", swa_tail),
+        ("evict_out_of_window", evict), method("alloc", value), method("free", ints), method("free_swa", ints),
+        method("free_segment", ints, start_pos=value), method("free_swa_segment", ints, start_pos=value),
+        method("free_full_segment", ints, start_pos=value), method("free_page_ids", ints),
+        method("translate_loc_from_full_to_swa", ints), method("free_group_begin"), method("free_group_end"),
+        method("merge_and_sort_free")]
+    hybrid = hasattr(alloc, "translate_loc_from_full_to_swa")
+    calls.append(method("resize", value, value) if hybrid else method("resize", value))  # (size, size_swa)
+    calls = [(name, make) for name, make in calls if hasattr(alloc, name)]
     while True:
-        n = rng.choice([1, 2, 3])
-        kind = rng.randrange(12)
-        if kind < 3:  # fresh requests, so that the frees below find pages
-            s = [rng.choice([1, 2, 5, 16, 33]) for _ in range(n)]
-            zeros = torch.zeros(n, dtype=torch.int64)
-            yield "alloc_extend", lambda: alloc.alloc_extend(zeros, zeros, T(s), T(s), T([-1] * n), sum(s))
-        elif kind == 3:
-            fresh = rng.random() < 0.5  # no prefix: only the lengths are hostile
-            p = torch.zeros(n, dtype=torch.int64) if fresh else ints(n)
-            s, last = ints(n), T([-1] * n) if fresh else ints(n)
-            # Half the time extend_num_tokens is the lengths' sum as int64 arithmetic wraps it.
-            total = wrapped(sum(s.tolist()) - sum(p.tolist())) if rng.random() < 0.5 else value()
-            yield "alloc_extend", lambda: alloc.alloc_extend(p, p, s, s, last, total)
-        elif kind == 4:
-            s, last = ints(n), ints(n)
-            yield "alloc_decode", lambda: alloc.alloc_decode(s, s, last)
-        elif kind == 5:
-            p, s, last, total, tail = ints(1), ints(1), ints(1), value(), value()
-            yield "alloc_extend_swa_tail", lambda: alloc.alloc_extend_swa_tail(p, p, s, s, last, total, tail)
-        elif kind == 6:
-            need = value()
-            yield "alloc", lambda: alloc.alloc(need)
-        elif kind == 7:
-            name, idx = rng.choice(["free", "free_swa"]), ints()
-            yield name, lambda: getattr(alloc, name)(idx)
-        elif kind == 8:
-            name, idx, start = rng.choice(["free_segment", "free_swa_segment", "free_full_segment"]), ints(), value()
-            yield name, lambda: getattr(alloc, name)(idx, start_pos=start)
-        elif kind == 9:
-            idx = ints()
-            yield "translate_loc_from_full_to_swa", lambda: alloc.translate_loc_from_full_to_swa(idx)
-        elif kind == 10:
-            table = torch.randint(-3, 300, (rng.choice([1, 2, 4]), rng.choice([1, 8, 64])),
-                                  dtype=rng.choice([torch.int32, torch.int64]))
-            rows, pre, evicted, window = ints(n), ints(n), ints(n), value()
-            interval, sharing = rng.choice([1, 2, 2**63 - 1]), rng.random() < 0.5
-            yield "evict_out_of_window", lambda: decode.evict_out_of_window(
-                alloc, table, rows, pre, evicted, window, interval=interval, prefix_sharing=sharing)
-        else:
-            name = rng.choice(["free_group_begin", "free_group_end"])
-            yield name, getattr(alloc, name)
+        name, make = rng.choice(calls)
+        yield name, make(rng.choice([1, 2, 3]))
+
+
+def _allocator(kind, page_size, kernels):
+    if kind == "hybrid":
+        return swa_ext.SWATokenToKVPoolAllocator(256, 128, page_size, torch.bfloat16, "cpu", kernels=kernels)
+    if page_size == 1:
+        return swa_ext.TokenToKVPoolAllocator(256, torch.bfloat16, "cpu", kernels=kernels)
+    return swa_ext.PagedTokenToKVPoolAllocator(256, page_size, torch.bfloat16, "cpu", kernels=kernels)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 4, 16])
 @pytest.mark.parametrize("kernels", ["cpu", "emulated"])
-def test_hostile_values_are_refused_by_name_and_change_nothing(page_size, kernels, monkeypatch):
+@pytest.mark.parametrize("kind", ["hybrid", "pool"])
+def test_hostile_values_are_refused_by_name_and_change_nothing(kind, page_size, kernels, monkeypatch):
     # Every call either works or raises ValueError/TypeError, leaving the state exactly
     # as it was, and the invariants hold after each. Before the lengths were bounded, a
     # sum of lengths that wrapped passed the extend_num_tokens check here and sized the
     # output from it: a torch RuntimeError, or a write past the output (a segfault,
     # test_lengths_whose_sums_overflow_int64).
     monkeypatch.setenv("SWA_EXT_DEBUG", "1")  # the emulated device checks before it changes anything
-    alloc = swa_ext.SWATokenToKVPoolAllocator(256, 128, page_size, torch.bfloat16, "cpu", kernels=kernels)
-    rng = random.Random(page_size * 1000 + len(kernels))
+    alloc = _allocator(kind, page_size, kernels)
+    rng = random.Random(f"{kind}/{page_size}/{kernels}")
     calls = _hostile_calls(rng, alloc)
-    worked = refused = 0
-    for _ in range(600):
+    worked, refused = collections.Counter(), collections.Counter()
+    for _ in range(800):
         name, call = next(calls)
         before = alloc.backup_state()
         try:
             call()
-            worked += 1
+            worked[name] += 1
         except (ValueError, TypeError) as e:
-            refused += 1
+            refused[name] += 1
             assert alloc.backup_state() == before, f"{name} raised {e!r} but changed the state"
         alloc.check_invariants()
-    assert worked > 100 and refused > 100, (worked, refused)
+    assert sum(worked.values()) > 100 and sum(refused.values()) > 100, (worked, refused)
