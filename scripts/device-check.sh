@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, for a session lent the device machine (one H200, its own Python and
 # torch, no internet): builds swa_ext with its CUDA kernels in place against that
-# torch, runs the CUDA golden replays and tests/test_cuda.py, then the CUDA
-# benchmarks, writing logs and results under $OUT (default out/device). One run fits
-# in about 10 minutes:  device run: scripts/device-check.sh
+# torch, runs the CUDA golden replays, tests/test_cuda.py and the hostile-value run
+# on the device store (checks first), then the CUDA benchmarks, writing logs and
+# results under $OUT (default out/device). One run fits in about 10 minutes:  device run: scripts/device-check.sh
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/out/device}"
@@ -22,7 +22,8 @@ export PYTHONPATH="$ROOT:/tmp/swa_ext_path"
 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 "$PY" -c "import swa_ext; assert swa_ext.built_with_cuda()" || exit 1
 
-"$PY" -m pytest tests/test_golden.py tests/test_cuda.py -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+"$PY" -m pytest tests/test_golden.py tests/test_cuda.py "tests/test_bad_input.py::test_hostile_values_are_refused_by_name_and_change_nothing" \
+  -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 timeout 300 "$PY" -m swa_ext bench --device cuda --json "$OUT/bench_cuda.json" --markdown "$OUT/bench_cuda.md" \

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import swa_ext
+from cuda_support import cuda_skip_reason
 from swa_ext import decode
 from swa_ext.reference import SWAAllocatorRef
 
@@ -472,10 +473,10 @@ _EXTREMES = (0, 1, -1, 2, 3, 4, 15, 16, 17, 63, 64, 65, 128, 255, 256, 1000, 2**
              2**62, 2**62 + 1, 2**63 - 1, -2**63)
 
 
-def _hostile_calls(rng, alloc):
+def _hostile_calls(rng, alloc, dev):
     """Seeded calls of the allocator's methods mixing the traffic that builds state (fresh
     requests) with values from _EXTREMES in every integer argument, as int64 or int32
-    tensors: (name, call)."""
+    tensors (on dev where the allocator takes device tensors): (name, call)."""
     def value():
         return rng.choice(_EXTREMES)
 
@@ -491,7 +492,7 @@ def _hostile_calls(rng, alloc):
     def fresh_requests(n):  # so that the frees find pages
         s = [rng.choice([1, 2, 5, 16, 33]) for _ in range(n)]
         zeros = torch.zeros(n, dtype=torch.int64)
-        return lambda: alloc.alloc_extend(zeros, zeros, T(s), T(s), T([-1] * n), sum(s))
+        return lambda: alloc.alloc_extend(zeros.to(dev), zeros, T(s).to(dev), T(s), T([-1] * n).to(dev), sum(s))
 
     def hostile_extend(n):
         fresh = rng.random() < 0.5  # no prefix: only the lengths are hostile
@@ -499,23 +500,26 @@ def _hostile_calls(rng, alloc):
         s, last = ints(n), T([-1] * n) if fresh else ints(n)
         # Half the time extend_num_tokens is the lengths' sum as int64 arithmetic wraps it.
         total = wrapped(sum(s.tolist()) - sum(p.tolist())) if rng.random() < 0.5 else value()
-        return lambda: alloc.alloc_extend(p, p, s, s, last, total)
+        return lambda: alloc.alloc_extend(p.to(dev), p, s.to(dev), s, last.to(dev), total)
 
     def decode_step(n):
         s, last = ints(n), ints(n)
-        return lambda: alloc.alloc_decode(s, s, last)
+        return lambda: alloc.alloc_decode(s.to(dev), s, last.to(dev))
 
     def swa_tail(n):
         p, s, last, total, tail = ints(1), ints(1), ints(1), value(), value()
-        return lambda: alloc.alloc_extend_swa_tail(p, p, s, s, last, total, tail)
+        return lambda: alloc.alloc_extend_swa_tail(p.to(dev), p, s.to(dev), s, last.to(dev), total, tail)
 
     def evict(n):
         table = torch.randint(-3, 300, (rng.choice([1, 2, 4]), rng.choice([1, 8, 64])),
-                              dtype=rng.choice([torch.int32, torch.int64]))
+                              dtype=rng.choice([torch.int32, torch.int64])).to(dev)
         rows, pre, evicted, window = ints(n), ints(n), ints(n), value()
         interval, sharing = rng.choice([1, 2, 2**63 - 1]), rng.random() < 0.5
         return lambda: decode.evict_out_of_window(alloc, table, rows, pre, evicted, window, interval=interval,
                                                   prefix_sharing=sharing)
+
+    def dev_ints():
+        return ints().to(dev)
 
     def method(name, *make_args, **make_kwargs):
         def make(n):
@@ -526,10 +530,11 @@ def _hostile_calls(rng, alloc):
 
     calls = [("alloc_extend", fresh_requests)] * 3 + [
         ("alloc_extend", hostile_extend), ("alloc_decode", decode_step), ("alloc_extend_swa_tail", swa_tail),
-        ("evict_out_of_window", evict), method("alloc", value), method("free", ints), method("free_swa", ints),
-        method("free_segment", ints, start_pos=value), method("free_swa_segment", ints, start_pos=value),
-        method("free_full_segment", ints, start_pos=value), method("free_page_ids", ints),
-        method("translate_loc_from_full_to_swa", ints), method("free_group_begin"), method("free_group_end"),
+        ("evict_out_of_window", evict), method("alloc", value), method("free", dev_ints),
+        method("free_swa", dev_ints), method("free_segment", dev_ints, start_pos=value),
+        method("free_swa_segment", dev_ints, start_pos=value), method("free_full_segment", dev_ints, start_pos=value),
+        method("free_page_ids", dev_ints), method("translate_loc_from_full_to_swa", dev_ints),
+        method("free_group_begin"), method("free_group_end"),
         method("merge_and_sort_free")]
     hybrid = hasattr(alloc, "translate_loc_from_full_to_swa")
     calls.append(method("resize", value, value) if hybrid else method("resize", value))  # (size, size_swa)
@@ -539,16 +544,16 @@ def _hostile_calls(rng, alloc):
         yield name, make(rng.choice([1, 2, 3]))
 
 
-def _allocator(kind, page_size, kernels):
+def _allocator(kind, page_size, kernels, dev):
     if kind == "hybrid":
-        return swa_ext.SWATokenToKVPoolAllocator(256, 128, page_size, torch.bfloat16, "cpu", kernels=kernels)
+        return swa_ext.SWATokenToKVPoolAllocator(256, 128, page_size, torch.bfloat16, dev, kernels=kernels)
     if page_size == 1:
-        return swa_ext.TokenToKVPoolAllocator(256, torch.bfloat16, "cpu", kernels=kernels)
-    return swa_ext.PagedTokenToKVPoolAllocator(256, page_size, torch.bfloat16, "cpu", kernels=kernels)
+        return swa_ext.TokenToKVPoolAllocator(256, torch.bfloat16, dev, kernels=kernels)
+    return swa_ext.PagedTokenToKVPoolAllocator(256, page_size, torch.bfloat16, dev, kernels=kernels)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 4, 16])
-@pytest.mark.parametrize("kernels", ["cpu", "emulated"])
+@pytest.mark.parametrize("kernels", ["cpu", "emulated", "cuda"])
 @pytest.mark.parametrize("kind", ["hybrid", "pool"])
 def test_hostile_values_are_refused_by_name_and_change_nothing(kind, page_size, kernels, monkeypatch):
     # Every call either works or raises ValueError/TypeError, leaving the state exactly
@@ -556,10 +561,13 @@ def test_hostile_values_are_refused_by_name_and_change_nothing(kind, page_size, 
     # sum of lengths that wrapped passed the extend_num_tokens check here and sized the
     # output from it: a torch RuntimeError, or a write past the output (a segfault,
     # test_lengths_whose_sums_overflow_int64).
-    monkeypatch.setenv("SWA_EXT_DEBUG", "1")  # the emulated device checks before it changes anything
-    alloc = _allocator(kind, page_size, kernels)
+    if kernels == "cuda" and cuda_skip_reason():
+        pytest.skip(cuda_skip_reason())
+    dev = "cuda" if kernels == "cuda" else "cpu"
+    monkeypatch.setenv("SWA_EXT_DEBUG", "1")  # a device store checks before it changes anything
+    alloc = _allocator(kind, page_size, kernels, dev)
     rng = random.Random(f"{kind}/{page_size}/{kernels}")
-    calls = _hostile_calls(rng, alloc)
+    calls = _hostile_calls(rng, alloc, dev)
     worked, refused = collections.Counter(), collections.Counter()
     for _ in range(800):
         name, call = next(calls)
