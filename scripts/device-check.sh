@@ -3,7 +3,8 @@
 # torch, no internet): builds swa_ext with its CUDA kernels in place against that
 # torch, runs the CUDA golden replays, tests/test_cuda.py and the hostile-value run
 # on the device store (checks first), then the CUDA benchmarks, writing logs and
-# results under $OUT (default out/device). One run fits in about 10 minutes:  device run: scripts/device-check.sh
+# results under $OUT (default out/device). One run fits in about 10 minutes:
+#   device run: scripts/device-check.sh
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/out/device}"
