@@ -38,24 +38,17 @@ def _int(value, name: str) -> int:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
 
 
-def _window(window) -> int:
-    window = _int(window, "window")
-    if window < 1:
-        raise ValueError(f"window: must be >= 1, got {window}")
-    return window
-
-
 def swa_tail_len(seq_len: int, window: int, page_size: int, radix_cache: bool = False) -> int:
     """How many trailing tokens of a ``seq_len``-token prompt need SWA KV on the decode node.
 
     The tail starts on a page boundary, so ``seq_len - tail`` (the evicted length) is
     page-aligned; with the decode radix cache on it keeps a whole window behind the
-    page-aligned insert boundary. 0 for ``seq_len <= 0``.
+    page-aligned insert boundary. 0 for ``seq_len <= 0``. ``window`` and ``page_size``
+    must be >= 1 (``ValueError``).
     """
-    page_size = _int(page_size, "page_size")
-    if page_size < 1:
-        raise ValueError(f"page_size: must be >= 1, got {page_size}")
-    return _C.swa_tail_len(_int(seq_len, "seq_len"), _window(window), page_size, bool(radix_cache))
+    # Types here (a bool or a float is no length); values in the native call.
+    return _C.swa_tail_len(_int(seq_len, "seq_len"), _int(window, "window"), _int(page_size, "page_size"),
+                           bool(radix_cache))
 
 
 def evicted_after_step(evicted: int, pre_len: int, window: int, page_size: int, interval: int = 1,
@@ -63,16 +56,12 @@ def evicted_after_step(evicted: int, pre_len: int, window: int, page_size: int, 
     """The window rule for one request: its new evicted length at committed length ``pre_len``.
 
     Equal to ``evicted`` when nothing is due; otherwise page-aligned and larger, and
-    ``row[evicted:new]`` is what ``evict_out_of_window`` frees for it.
+    ``row[evicted:new]`` is what ``evict_out_of_window`` frees for it. ``window``,
+    ``page_size`` and ``interval`` must be >= 1, and ``evicted`` page-aligned within
+    ``[0, pre_len]`` (``ValueError``).
     """
-    page_size = _int(page_size, "page_size")
-    if page_size < 1:
-        raise ValueError(f"page_size: must be >= 1, got {page_size}")
-    interval = _int(interval, "interval")
-    if interval < 1:
-        raise ValueError(f"interval: must be >= 1, got {interval}")
-    return _C.evicted_after_step(_int(evicted, "evicted"), _int(pre_len, "pre_len"), _window(window), page_size,
-                                 interval, bool(prefix_sharing))
+    return _C.evicted_after_step(_int(evicted, "evicted"), _int(pre_len, "pre_len"), _int(window, "window"),
+                                 _int(page_size, "page_size"), _int(interval, "interval"), bool(prefix_sharing))
 
 
 class ReqToTokenPool:
@@ -183,7 +172,7 @@ def pre_alloc(allocator, req_to_token, row, fill_len, window, *, prefix_indices=
     if not 1 <= fill_len <= req_to_token.shape[1]:
         raise ValueError(f"fill_len: {fill_len} is outside [1, {req_to_token.shape[1]}] (the row length)")
     page_size = allocator.page_size
-    tail = _C.swa_tail_len(fill_len, _window(window), page_size, bool(radix_cache))
+    tail = _C.swa_tail_len(fill_len, _int(window, "window"), page_size, bool(radix_cache))
     device = allocator.device
 
     if prefix_indices is None:
