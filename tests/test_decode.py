@@ -92,8 +92,8 @@ def test_swa_tail_len_rejects_bad_arguments():
     (_C.evicted_after_step, (0, -1, 4, 4), "pre_len"),
 ])
 def test_the_native_window_rules_check_their_arguments(call, args, bad):
-    # The native functions, not only decode's wrappers: a page size of 0 divided by zero
-    # there and killed the process.
+    # The native functions check the values themselves (decode's wrappers convert types
+    # only): a page size of 0 once divided by zero there and killed the process.
     with pytest.raises(ValueError, match=f"^{bad}: "):
         call(*args)
 
