@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, for a session lent the device machine (one H200, its own Python and
 # torch, no internet): builds swa_ext with its CUDA kernels in place against that
-# torch, runs the CUDA golden replays, tests/test_cuda.py and the hostile-value run
-# on the device store (checks first), then the CUDA benchmarks, writing logs and
-# results under $OUT (default out/device). One run fits in about 10 minutes:
+# torch, runs the CUDA golden replays, tests/test_cuda.py and the hostile-value runs
+# on the device store (checks first, and checks in its ops), then the CUDA
+# benchmarks, writing logs and results under $OUT (default out/device). One run
+# fits in about 10 minutes:
 #   device run: scripts/device-check.sh
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,6 +25,7 @@ export PYTHONPATH="$ROOT:/tmp/swa_ext_path"
 "$PY" -c "import swa_ext; assert swa_ext.built_with_cuda()" || exit 1
 
 "$PY" -m pytest tests/test_golden.py tests/test_cuda.py "tests/test_bad_input.py::test_hostile_values_are_refused_by_name_and_change_nothing" \
+  "tests/test_bad_input.py::test_hostile_values_on_a_device_store_checking_in_its_ops" \
   -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 

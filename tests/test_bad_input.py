@@ -580,3 +580,37 @@ def test_hostile_values_are_refused_by_name_and_change_nothing(kind, page_size, 
             assert alloc.backup_state() == before, f"{name} raised {e!r} but changed the state"
         alloc.check_invariants()
     assert sum(worked.values()) > 100 and sum(refused.values()) > 100, (worked, refused)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 4, 16])
+@pytest.mark.parametrize("kernels", ["emulated", "cuda"])
+@pytest.mark.parametrize("kind", ["hybrid", "pool"])
+def test_hostile_values_on_a_device_store_checking_in_its_ops(kind, page_size, kernels, monkeypatch):
+    # Without SWA_EXT_DEBUG a device store finds a bad index value in its ops (the CUDA
+    # kernels' own code, emulated here) and raises DeferredError at the next call. Those
+    # ops must stay inside their arrays whatever the values (the sanitizer run checks the
+    # emulated ones), and restore_state must bring back the last good state.
+    if kernels == "cuda" and cuda_skip_reason():
+        pytest.skip(cuda_skip_reason())
+    dev = "cuda" if kernels == "cuda" else "cpu"
+    monkeypatch.delenv("SWA_EXT_DEBUG", raising=False)
+    alloc = _allocator(kind, page_size, kernels, dev)
+    calls = _hostile_calls(random.Random(f"deferred/{kind}/{page_size}/{kernels}"), alloc, dev)
+    good = alloc.backup_state()
+    outcomes = collections.Counter()
+    for _ in range(800):
+        name, call = next(calls)
+        try:
+            call()
+            alloc.check_invariants()  # waits for the ops, and raises what they found
+            good = alloc.backup_state()
+            outcomes["worked"] += 1
+        except (ValueError, TypeError):  # found on the host, before anything changed
+            assert alloc.backup_state() == good
+            outcomes["refused"] += 1
+        except swa_ext.DeferredError:
+            alloc.restore_state(good)
+            assert alloc.backup_state() == good
+            alloc.check_invariants()
+            outcomes["deferred"] += 1
+    assert min(outcomes["worked"], outcomes["refused"], outcomes["deferred"]) > 20, outcomes

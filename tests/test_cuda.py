@@ -727,6 +727,33 @@ def test_deferred_error_on_cuda(page_size, monkeypatch):
     alloc.check_invariants()
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("bad", ["double free", "out of the pool"])
+def test_a_lone_pool_raises_its_deferred_error_before_handing_out_its_state(page_size, bad, monkeypatch):
+    """The pool allocators' backup_state(), check_invariants() and free_pages read the
+    device state after a refused free: they raise DeferredError, as the hybrid's do,
+    instead of handing out (or letting a caller save) what the refused call left."""
+    monkeypatch.delenv("SWA_EXT_DEBUG", raising=False)
+    ps = page_size
+    if ps == 1:
+        alloc = swa_ext.TokenToKVPoolAllocator(64, torch.bfloat16, DEVICE, kernels=KERNELS)
+    else:
+        alloc = swa_ext.PagedTokenToKVPoolAllocator(64, ps, torch.bfloat16, DEVICE, kernels=KERNELS)
+    held = alloc.alloc(2 * ps)
+    before = alloc.backup_state()
+    slot = int(held[0]) if bad == "double free" else 10**6
+    if bad == "double free":
+        alloc.free_segment(held[:ps], start_pos=0)
+        before = alloc.backup_state()
+    alloc.free_segment(torch.tensor([slot], device=DEVICE).repeat(ps), start_pos=0)
+    for read in (alloc.backup_state, alloc.check_invariants, lambda: alloc.free_pages):
+        with pytest.raises(swa_ext.DeferredError):
+            read()
+    alloc.restore_state(before)
+    assert alloc.backup_state() == before
+    alloc.check_invariants()
+
+
 def test_host_side_refusal_launches_nothing(monkeypatch):
     """A host-side check that fails after another passed: nothing was launched, nothing changed."""
     monkeypatch.delenv("SWA_EXT_DEBUG", raising=False)

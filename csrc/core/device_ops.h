@@ -242,18 +242,29 @@ struct ClaimOp {
   Origin origin;
 
   SWA_HD void operator()(int64_t i) const {
+    const int64_t p = claimed_page(i);
+    if (list != nullptr) list[i] = p;  // 0 for an entry refused, which the release skips
+  }
+
+  // The page entry i claims, or 0 when it is refused (the error recorded).
+  SWA_HD int64_t claimed_page(int64_t i) const {
     int64_t p;
     if (source == ClaimSource::kPageId) {
       p = input[i];
-      if (!pool.holds_page(p)) return origin.fail(kPageIdOutOfPool, i, p);
+      if (!pool.holds_page(p)) {
+        origin.fail(kPageIdOutOfPool, i, p);
+        return 0;
+      }
     } else {
       const int64_t entry = source == ClaimSource::kSegmentRep ? i * pool.page.size : i;
       const int64_t slot = input[entry];
-      if (!pool.holds_slot(slot)) return origin.fail(kSlotOutOfPool, entry, slot);
+      if (!pool.holds_slot(slot)) {
+        origin.fail(kSlotOutOfPool, entry, slot);
+        return 0;
+      }
       p = pool.page.page(slot);
     }
-    const bool claimed = claim_page(pool, p, repeat_ok, origin, i);
-    if (list != nullptr) list[i] = claimed ? p : 0;
+    return claim_page(pool, p, repeat_ok, origin, i) ? p : 0;
   }
 };
 

@@ -371,6 +371,9 @@ void DevicePool::release_group(GroupQueue queue, Destination dest, ReleaseOrder 
 }
 
 PagePool DevicePool::snapshot() {
+  // A pool whose ops found an error is no state to keep or check: raise it (as the
+  // hybrid store's backup does) rather than hand out what the refused call left.
+  control_->raise_found_errors();
   Executor& exec = control_->exec();
   int64_t ctl[dev::kCtlWords];
   exec.copy_to_host(ctl, control_->ctl(slot_) + parity_ * dev::kCtlWords, dev::kCtlWords);

@@ -72,7 +72,8 @@ class PoolStore {
   // A cleared pool; resize() of size slots, checked by the caller.
   virtual void clear() = 0;
   virtual void resize(int64_t size) = 0;
-  // The pool as the host store holds it (a device store waits for the device).
+  // The pool as the host store holds it (a device store waits for the device, and
+  // raises DeferredError for what its ops found).
   virtual PagePool snapshot() = 0;
   // Of this shape, checked by the caller.
   virtual void restore(const PagePool& state) = 0;
