@@ -58,10 +58,18 @@ class HostExecutor : public Executor {
   SWA_DEVICE_OPS(SWA_DECLARE_RUN)
 #undef SWA_DECLARE_RUN
 
+  // The order in which a launch runs its n elements: first, then each after the last
+  // (see run()). Each call is the order of one more launch.
+  struct ElementOrder {
+    int64_t first, step;
+    int64_t after(int64_t i, int64_t n) const { return i + step >= n ? i + step - n : i + step; }
+  };
+  ElementOrder next_order(int64_t n);
+
  private:
   std::vector<std::unique_ptr<int64_t[]>> blocks_;
   std::vector<int64_t> uploaded_, readback_;
-  bool descending_ = false;  // the order of the next launch's elements flips each time
+  int64_t launches_ = 0;
 };
 
 }  // namespace swa

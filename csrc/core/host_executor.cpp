@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <numeric>
 
 #include "executor.h"
 
@@ -38,17 +39,25 @@ void HostExecutor::select_pages(const dev::StateWord* state, int64_t num_pages, 
   *count = n;
 }
 
-// A GPU runs an op's elements in no fixed order, so the host alternates between
-// ascending and descending order from one launch to the next: an op whose result
-// depends on the order of its elements then fails the emulated tests.
-#define SWA_DEFINE_RUN(Op)                                      \
-  void HostExecutor::run(int64_t n, const Op& op) {             \
-    descending_ = !descending_;                                 \
-    if (descending_) {                                          \
-      for (int64_t i = n - 1; i >= 0; --i) op(i);               \
-    } else {                                                    \
-      for (int64_t i = 0; i < n; ++i) op(i);                    \
-    }                                                           \
+// A GPU runs an op's elements in no fixed order, so the host cycles through three
+// orders from one launch to the next: ascending, descending, and a stride that
+// interleaves elements far apart. An op whose result depends on the order of its
+// elements then fails the emulated tests. Each order is a walk i -> (i + step) mod n
+// with step coprime to n, which visits every element once.
+HostExecutor::ElementOrder HostExecutor::next_order(int64_t n) {
+  const int64_t kind = launches_++ % 3;
+  if (n <= 1 || kind == 0) return ElementOrder{0, n <= 1 ? 0 : 1};
+  if (kind == 1) return ElementOrder{n - 1, n - 1};
+  int64_t step = std::max<int64_t>(1, n / 2 + n / 8);  // far from 1 and from n - 1
+  while (std::gcd(step, n) != 1) ++step;
+  return ElementOrder{launches_ % n, step};
+}
+
+#define SWA_DEFINE_RUN(Op)                                                    \
+  void HostExecutor::run(int64_t n, const Op& op) {                           \
+    const ElementOrder order = next_order(n);                                 \
+    for (int64_t k = 0, i = order.first; k < n; ++k, i = order.after(i, n)) \
+      op(i);                                                                  \
   }
 SWA_DEVICE_OPS(SWA_DEFINE_RUN)
 #undef SWA_DEFINE_RUN

@@ -1,6 +1,8 @@
 // The device allocator's host side and ops, run by HostExecutor, against the CPU core.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -182,4 +184,35 @@ TEST(DeviceAllocator, AFullPageMappedIntoTwoSwaPagesFreesBoth) {
   p.dev.clear_mapping(second_page);
   p.expect_same();
   p.cpu.check_invariants();
+}
+
+// The emulation stands in for a GPU's unordered elements only if its launches run them
+// in orders that differ: ascending, descending, and a stride that is neither.
+TEST(DeviceAllocator, EmulatedLaunchesRunEveryElementOnceInOrdersThatDiffer) {
+  HostExecutor exec;
+  for (const int64_t n : {1, 2, 3, 5, 8, 64, 100, 1000, 4096, 65537}) {
+    std::vector<V> walks;
+    for (int launch = 0; launch < 6; ++launch) {
+      const HostExecutor::ElementOrder order = exec.next_order(n);
+      V walk, seen(static_cast<size_t>(n), 0);
+      for (int64_t k = 0, i = order.first; k < n; ++k, i = order.after(i, n)) {
+        ASSERT_TRUE(i >= 0 && i < n) << "n=" << n;
+        ASSERT_EQ(seen[i]++, 0) << "n=" << n << ": element " << i << " twice";
+        walk.push_back(i);
+      }
+      walks.push_back(walk);
+    }
+    if (n < 5) continue;
+    V ascending(static_cast<size_t>(n)), descending;
+    for (int64_t i = 0; i < n; ++i) ascending[i] = i;
+    descending.assign(ascending.rbegin(), ascending.rend());
+    int strided = 0;
+    for (const V& walk : walks) {
+      const bool neighbours = std::abs(walk[1] - walk[0]) == 1 || std::abs(walk[1] - walk[0]) == n - 1;
+      strided += walk != ascending && walk != descending && !neighbours;
+    }
+    EXPECT_TRUE(std::count(walks.begin(), walks.end(), ascending) >= 1) << "n=" << n;
+    EXPECT_TRUE(std::count(walks.begin(), walks.end(), descending) >= 1) << "n=" << n;
+    EXPECT_GE(strided, 2) << "n=" << n;
+  }
 }
