@@ -58,11 +58,14 @@ class HostExecutor : public Executor {
   SWA_DEVICE_OPS(SWA_DECLARE_RUN)
 #undef SWA_DECLARE_RUN
 
-  // The order in which a launch runs its n elements: first, then each after the last
-  // (see run()). Each call is the order of one more launch.
+  // The order in which a launch runs its n elements: first, then (i + step) mod n after
+  // i (see run()). Each next_order() is the order of one more launch.
   struct ElementOrder {
-    int64_t first, step;
-    int64_t after(int64_t i, int64_t n) const { return i + step >= n ? i + step - n : i + step; }
+    int64_t n, first, step;
+    template <class Visit>
+    void for_each(const Visit& visit) const {
+      for (int64_t k = 0, i = first; k < n; ++k, i = i + step >= n ? i + step - n : i + step) visit(i);
+    }
   };
   ElementOrder next_order(int64_t n);
 

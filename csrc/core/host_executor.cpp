@@ -46,19 +46,15 @@ void HostExecutor::select_pages(const dev::StateWord* state, int64_t num_pages, 
 // with step coprime to n, which visits every element once.
 HostExecutor::ElementOrder HostExecutor::next_order(int64_t n) {
   const int64_t kind = launches_++ % 3;
-  if (n <= 1 || kind == 0) return ElementOrder{0, n <= 1 ? 0 : 1};
-  if (kind == 1) return ElementOrder{n - 1, n - 1};
+  if (n <= 1 || kind == 0) return ElementOrder{n, 0, 1};
+  if (kind == 1) return ElementOrder{n, n - 1, n - 1};
   int64_t step = std::max<int64_t>(1, n / 2 + n / 8);  // far from 1 and from n - 1
   while (std::gcd(step, n) != 1) ++step;
-  return ElementOrder{launches_ % n, step};
+  return ElementOrder{n, launches_ % n, step};
 }
 
-#define SWA_DEFINE_RUN(Op)                                                    \
-  void HostExecutor::run(int64_t n, const Op& op) {                           \
-    const ElementOrder order = next_order(n);                                 \
-    for (int64_t k = 0, i = order.first; k < n; ++k, i = order.after(i, n)) \
-      op(i);                                                                  \
-  }
+#define SWA_DEFINE_RUN(Op) \
+  void HostExecutor::run(int64_t n, const Op& op) { next_order(n).for_each(op); }
 SWA_DEVICE_OPS(SWA_DEFINE_RUN)
 #undef SWA_DEFINE_RUN
 
