@@ -20,10 +20,15 @@ using V = std::vector<int64_t>;
 
 namespace {
 
-// HostExecutor's memory, with every op counted instead of run.
+// HostExecutor's memory, with every op counted instead of run, and uploads counted (each
+// costs what bench/staging_cost.py measures on top of the vector copy counted here).
 class PlanningExecutor : public HostExecutor {
  public:
   const char* kernels() const override { return "planning"; }
+  const int64_t* upload(const std::vector<int64_t>& words) override {
+    ++uploads;
+    return HostExecutor::upload(words);
+  }
   void select_pages(const dev::StateWord*, int64_t, dev::StateWord, dev::StateWord, int64_t*, int64_t*) override {
     ++launches;
   }
@@ -31,7 +36,7 @@ class PlanningExecutor : public HostExecutor {
   void run(int64_t, const Op&) override { ++launches; }
   SWA_DEVICE_OPS(SWA_COUNT_RUN)
 #undef SWA_COUNT_RUN
-  int64_t launches = 0;
+  int64_t launches = 0, uploads = 0;
 };
 
 constexpr int64_t kWindow = 128, kTokensPerRequest = 640, kRowLen = 1024;
@@ -78,22 +83,23 @@ double median(std::vector<double> xs) {
 // Times call(allocator) on both stores, alternating, each from the case's state.
 void measure(const char* op, Case& c, const std::function<void(HybridAllocator&)>& call, int iters) {
   std::vector<double> host_ns, dev_ns;
-  int64_t launches = 0;
+  int64_t launches = 0, uploads = 0;
   for (int i = 0; i < iters; ++i) {
     for (const bool on_device : {i % 2 == 0, i % 2 != 0}) {
       HybridAllocator& a = on_device ? c.dev : c.host;
       a.restore_state(c.state);
-      const int64_t before = c.exec->launches;
+      const int64_t before = c.exec->launches, uploads_before = c.exec->uploads;
       const auto t0 = std::chrono::steady_clock::now();
       call(a);
       const auto t1 = std::chrono::steady_clock::now();
       (on_device ? dev_ns : host_ns).push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
-      if (on_device) launches = c.exec->launches - before;
+      if (on_device) launches = c.exec->launches - before, uploads = c.exec->uploads - uploads_before;
     }
   }
   const double h = median(host_ns), d = median(dev_ns);
-  std::printf("| %s | %lld | %lld | %.2f | %.2f | %.2fx | %lld |\n", op, static_cast<long long>(c.batch),
-              static_cast<long long>(c.page_size), h / 1e3, d / 1e3, d / h, static_cast<long long>(launches));
+  std::printf("| %s | %lld | %lld | %.2f | %.2f | %.2fx | %lld | %lld |\n", op, static_cast<long long>(c.batch),
+              static_cast<long long>(c.page_size), h / 1e3, d / 1e3, d / h, static_cast<long long>(launches),
+              static_cast<long long>(uploads));
 }
 
 // free_segment of every request's in-window pages (bench/micro.py's case) on the host
@@ -137,8 +143,8 @@ int main(int argc, char** argv) {
   const int iters = argc > 1 ? std::stoi(argv[1]) : 200;
   std::printf("Host cost per call, µs (median of %d, alternating): the host store's whole call against the device "
               "store's host side (ops counted, not run).\n\n", iters);
-  std::printf("| op | batch | page | host store µs | device planning µs | planning / host | launches |\n");
-  std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("| op | batch | page | host store µs | device planning µs | planning / host | launches | uploads |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const int64_t ps : {1, 16, 64}) {
     for (const int64_t b : {1, 16, 256, 2048}) {
       Case c(b, ps);

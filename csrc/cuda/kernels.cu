@@ -25,12 +25,16 @@ void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
+// The launch's own status: cudaGetLastError() after a <<<>>> launch could return an
+// error an earlier, unrelated call left behind.
 template <class Op>
-void launch_op(int64_t n, const Op& op, cudaStream_t stream) {
-  if (n <= 0) return;
+cudaError_t launch_op(int64_t n, const Op& op, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks);
-  for_each_element<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(n, op);
-  check(cudaGetLastError(), "swa_ext kernel launch");
+  Op arg = op;
+  void* args[] = {&n, &arg};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&for_each_element<Op>), dim3(static_cast<unsigned>(blocks)),
+                          dim3(kThreads), args, 0, stream);
 }
 
 struct StateIs {
@@ -45,7 +49,7 @@ struct StateIs {
 }  // namespace
 
 #define SWA_DEFINE_LAUNCH(Op) \
-  void launch(int64_t n, const Op& op, cudaStream_t stream) { launch_op(n, op, stream); }
+  cudaError_t launch(int64_t n, const Op& op, cudaStream_t stream) { return launch_op(n, op, stream); }
 SWA_DEVICE_OPS(SWA_DEFINE_LAUNCH)
 #undef SWA_DEFINE_LAUNCH
 
@@ -57,11 +61,13 @@ size_t select_scratch_bytes(int64_t num_pages) {
   return bytes;
 }
 
-void select_pages(const dev::StateWord* state, int64_t num_pages, dev::StateWord a, dev::StateWord b, int64_t* out,
-                  int64_t* count, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
-  check(cub::DeviceSelect::If(scratch, scratch_bytes, thrust::counting_iterator<int64_t>(1), out, count, num_pages,
-                              StateIs{state, a, b}, stream),
-        "swa_ext select");
+cudaError_t select_pages(const dev::StateWord* state, int64_t num_pages, dev::StateWord a, dev::StateWord b,
+                         int64_t* out, int64_t* count, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  // CUB reads its launches' status with cudaPeekAtLastError(): clear an error an earlier
+  // call left behind, so that only this launch's own error counts (a fault that stuck stays).
+  cudaGetLastError();
+  return cub::DeviceSelect::If(scratch, scratch_bytes, thrust::counting_iterator<int64_t>(1), out, count, num_pages,
+                               StateIs{state, a, b}, stream);
 }
 
 }  // namespace cuda

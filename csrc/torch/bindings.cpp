@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <type_traits>
 
 #include "../core/allocator.h"
@@ -28,18 +29,56 @@ bool debug_checks_enabled() {
 
 // Allocators are not thread-safe. Calls hold the GIL, so Python threads are serialised;
 // anything that would interleave two calls anyway (a free-threaded interpreter, a
-// caller that dropped the GIL) gets an error instead of a corrupted free list.
+// caller that dropped the GIL) gets an error instead of a corrupted free list. A CUDA
+// allocator's changing call drops the GIL while it waits for the GPU (the guard allows
+// it, see WaitsReleaseGil): another thread's call that finds it there waits for it to
+// end, as it would have waited for the GIL.
 class UseGuard {
  public:
-  explicit UseGuard(std::atomic<bool>& busy) : busy_(busy) {
-    if (busy_.exchange(true, std::memory_order_acquire))
-      throw swa::ConcurrentUseError("allocator used from two threads at once; serialise calls to it");
+  explicit UseGuard(std::atomic<bool>& busy) : busy_(busy), outer_(innermost_) {
+    while (busy_.exchange(true, std::memory_order_acquire)) {
+      if (!another_thread_waits_for_the_gpu(busy_))
+        throw swa::ConcurrentUseError("allocator used from two threads at once; serialise calls to it");
+      py::gil_scoped_release unlocked;
+      std::this_thread::yield();
+    }
+    innermost_ = this;
   }
-  ~UseGuard() { busy_.store(false, std::memory_order_release); }
+  ~UseGuard() {
+    innermost_ = outer_;
+    busy_.store(false, std::memory_order_release);
+  }
+  // A read-only call takes no guard (a re-entrant one runs beside its caller), but waits
+  // for another thread's call that dropped the GIL for the GPU.
+  static void wait_for_other_threads(const std::atomic<bool>& busy) {
+    while (busy.load(std::memory_order_acquire) && another_thread_waits_for_the_gpu(busy)) {
+      py::gil_scoped_release unlocked;
+      std::this_thread::yield();
+    }
+  }
 
  private:
+  static bool another_thread_waits_for_the_gpu(const std::atomic<bool>& busy) {
+#ifdef SWA_EXT_WITH_CUDA
+    return swa::threads_waiting_for_gpu() > 0 && !held_by_this_thread(busy);
+#else
+    (void)busy;
+    return false;
+#endif
+  }
+  static bool held_by_this_thread(const std::atomic<bool>& busy) {  // a re-entrant call
+    for (const UseGuard* g = innermost_; g != nullptr; g = g->outer_)
+      if (&g->busy_ == &busy) return true;
+    return false;
+  }
   std::atomic<bool>& busy_;
+  const UseGuard* outer_;
+#ifdef SWA_EXT_WITH_CUDA
+  swa::WaitsReleaseGil waits_release_gil_;  // other threads' calls on this allocator wait for this one
+#endif
+  static thread_local const UseGuard* innermost_;
 };
+thread_local const UseGuard* UseGuard::innermost_ = nullptr;
 
 // A 1-D int64 view of an index or length argument. int32 input (req_to_token rows are
 // int32 in SGLang) is widened into a temporary the view keeps alive.
@@ -202,6 +241,13 @@ struct HybridHandle {
   bool debug;
   std::unique_ptr<swa::HybridAllocator> alloc;
 };
+
+// A call that only reads an allocator (it may still wait for the GPU).
+template <class Handle, class Body>
+auto reading(const Handle& h, const Body& body) -> decltype(body()) {
+  UseGuard::wait_for_other_threads(*h.busy);
+  return body();
+}
 
 // Every call that changes an allocator: holds its guard while it runs, then (debug mode)
 // checks its invariants.
@@ -370,13 +416,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_pages", [](const PoolHandle& h) { return h.store().num_pages(); }, swa_docs::pool_num_pages)
       .def_property_readonly("need_sort", [](const PoolHandle& h) { return h.store().need_sort(); }, swa_docs::pool_need_sort)
       .def_property_readonly("device", [](const PoolHandle& h) { return h.device; }, swa_docs::pool_device)
-      .def_property_readonly("free_pages", [](const PoolHandle& h) { return int_tensor(h.alloc->backup_state().free_list()); },
+      .def_property_readonly("free_pages", [](const PoolHandle& h) { return reading(h, [&] { return int_tensor(h.alloc->backup_state().free_list()); }); },
                              swa_docs::pool_free_pages)
-      .def_property_readonly("release_pages", [](const PoolHandle& h) { return int_tensor(h.alloc->backup_state().staged_list()); },
+      .def_property_readonly("release_pages", [](const PoolHandle& h) { return reading(h, [&] { return int_tensor(h.alloc->backup_state().staged_list()); }); },
                              swa_docs::pool_release_pages)
       .def_property_readonly("is_not_in_free_group", [](const PoolHandle& h) { return !h.store().group_open(); },
                              swa_docs::pool_is_not_in_free_group)
-      .def("available_size", [](PoolHandle& h) { return h.alloc->available_size(); }, swa_docs::pool_available_size)
+      .def("available_size", [](PoolHandle& h) { return reading(h, [&] { return h.alloc->available_size(); }); }, swa_docs::pool_available_size)
       .def("alloc", [](PoolHandle& h, int64_t need_size) {
              return allocation(h, [&](TensorOut& out) { return h.alloc->alloc(need_size, out); });
            }, swa_docs::pool_alloc, py::arg("need_size"))
@@ -422,9 +468,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clear", [](PoolHandle& h) { guarded(h, [&] { h.alloc->clear(); }); }, swa_docs::pool_clear)
       .def("resize", [](PoolHandle& h, int64_t size) { guarded(h, [&] { h.alloc->resize(size); }); },
            swa_docs::pool_resize, py::arg("size"))
-      .def("debug_print", [](const PoolHandle& h) { return h.alloc->debug_string(); }, swa_docs::pool_debug_print)
-      .def("check_invariants", [](const PoolHandle& h) { h.alloc->check_invariants(); }, swa_docs::pool_check_invariants)
-      .def("backup_state", [](const PoolHandle& h) { return h.alloc->backup_state(); }, swa_docs::pool_backup_state)
+      .def("debug_print", [](const PoolHandle& h) { return reading(h, [&] { return h.alloc->debug_string(); }); }, swa_docs::pool_debug_print)
+      .def("check_invariants", [](const PoolHandle& h) { reading(h, [&] { h.alloc->check_invariants(); }); }, swa_docs::pool_check_invariants)
+      .def("backup_state", [](const PoolHandle& h) { return reading(h, [&] { return h.alloc->backup_state(); }); }, swa_docs::pool_backup_state)
       .def("restore_state", [](PoolHandle& h, const swa::PagePool& state) {
              guarded(h, [&] { h.alloc->restore_state(state); });
            }, swa_docs::pool_restore_state, py::arg("state"));
@@ -449,11 +495,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("device_waits", [](const HybridHandle& h) { return h.alloc->store().device_waits(); }, swa_docs::hybrid_device_waits)
       .def("_full_pool", [](const HybridHandle& h) { return h.view(h.alloc->store().full_ptr()); })
       .def("_swa_pool", [](const HybridHandle& h) { return h.view(h.alloc->store().swa_ptr()); })
-      .def("available_size", [](HybridHandle& h) { return h.alloc->available_size(); }, swa_docs::hybrid_available_size)
-      .def("full_available_size", [](HybridHandle& h) { return h.alloc->full_available_size(); }, swa_docs::hybrid_full_available_size)
-      .def("swa_available_size", [](HybridHandle& h) { return h.alloc->swa_available_size(); }, swa_docs::hybrid_swa_available_size)
+      .def("available_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->available_size(); }); }, swa_docs::hybrid_available_size)
+      .def("full_available_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->full_available_size(); }); }, swa_docs::hybrid_full_available_size)
+      .def("swa_available_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->swa_available_size(); }); }, swa_docs::hybrid_swa_available_size)
       .def("new_pages_available", [](HybridHandle& h, int64_t num_full_pages, int64_t num_swa_pages) {
-             return h.alloc->new_pages_available(num_full_pages, num_swa_pages);
+             return reading(h, [&] { return h.alloc->new_pages_available(num_full_pages, num_swa_pages); });
            }, swa_docs::hybrid_new_pages_available, py::arg("num_full_pages"), py::arg("num_swa_pages"))
       .def("alloc", [](HybridHandle& h, int64_t need_size) {
              return allocation(h, [&](TensorOut& out) { return h.alloc->alloc(need_size, out); });
@@ -483,6 +529,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              });
            }, swa_docs::hybrid_alloc_decode, py::arg("seq_lens"), py::arg("seq_lens_cpu"), py::arg("last_loc"))
       .def("translate_loc_from_full_to_swa", [](HybridHandle& h, const py::object& kv_indices) {
+             UseGuard::wait_for_other_threads(*h.busy);
              const IntArg idx = int_arg("kv_indices", kv_indices, h.device);
              at::Tensor out = empty_indices(idx.tensor.numel(), h.device);
              h.alloc->translate(idx.span(), out.data_ptr<int64_t>());
@@ -536,11 +583,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }, swa_docs::hybrid_resize, py::arg("size"), py::arg("size_swa"))
       // Waits for the device and raises an error its checks found since the last wait
       // (DeferredError); nothing to do on the CPU, whose calls raise at once.
-      .def("check_device_errors", [](HybridHandle& h) { h.alloc->store().raise_found_errors(); },
+      .def("check_device_errors", [](HybridHandle& h) { reading(h, [&] { h.alloc->store().raise_found_errors(); }); },
            swa_docs::hybrid_check_device_errors)
-      .def("debug_print", [](HybridHandle& h) { return h.alloc->debug_string(); }, swa_docs::hybrid_debug_print)
-      .def("check_invariants", [](HybridHandle& h) { h.alloc->check_invariants(); }, swa_docs::hybrid_check_invariants)
-      .def("backup_state", [](HybridHandle& h) { return h.alloc->backup_state(); }, swa_docs::hybrid_backup_state)
+      .def("debug_print", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->debug_string(); }); }, swa_docs::hybrid_debug_print)
+      .def("check_invariants", [](HybridHandle& h) { reading(h, [&] { h.alloc->check_invariants(); }); }, swa_docs::hybrid_check_invariants)
+      .def("backup_state", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->backup_state(); }); }, swa_docs::hybrid_backup_state)
       .def("restore_state", [](HybridHandle& h, const swa::AllocatorState& state) {
              guarded(h, [&] { h.alloc->restore_state(state); });
            }, swa_docs::hybrid_restore_state, py::arg("state"));
