@@ -85,12 +85,12 @@ def test_a_serving_lifecycle_on_a_side_stream(monkeypatch):
     # The allocator is built (its state reset) on the default stream behind a long kernel;
     # every call then runs on a side stream. Without ordering the side stream after the
     # allocator's earlier work, the calls would read the pools before their reset lands.
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU cycles
     for ps in (1, 16):
-        script = ServingScript(ps, "cuda")
-        alloc = script.make_alloc("cuda", "auto")
+        script = ServingScript(ps, "cuda")  # its tensors first: building them waits for the GPU
         side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU cycles on the default stream
+        alloc = script.make_alloc("cuda", "auto")
         with torch.cuda.stream(side):
             rtt = script.new_req_to_token()
             got = script.run(alloc, rtt)
@@ -129,20 +129,20 @@ def test_a_stale_error_from_another_call_does_not_fail_a_launch(monkeypatch):
     monkeypatch.delenv("SWA_EXT_DEBUG", raising=False)
     alloc = swa_ext.SWATokenToKVPoolAllocator(4096, 2048, 16, torch.bfloat16, "cuda")
     cudart = _cudart()
+    seq = T([64 + 1])
+    seq_dev = seq.cuda()
     torch.cuda.synchronize()
-    # An earlier caller's failed call leaves an error in the runtime's last-error slot.
+    # An earlier caller's failed call leaves an error in the runtime's last-error slot;
+    # only allocator calls follow until it is cleared (torch's own launch checks read it).
     assert cudart.cudaSetDevice(ctypes.c_int(10_000)) != 0
     try:
         out = alloc.alloc(64)
-        assert out is not None and out.numel() == 64
-        seq = T([64 + 1])
-        dec = alloc.alloc_decode(seq.cuda(), seq, out[-1:])
-        assert dec is not None
-        alloc.free(torch.cat([out, dec]))
-        assert alloc.available_size() == 2048
+        dec = alloc.alloc_decode(seq_dev, seq, out[-1:])
     finally:
         cudart.cudaGetLastError()
-        torch.cuda.set_device(torch.cuda.current_device())
+    assert out is not None and dec is not None and out.numel() == 64 and dec.numel() == 1
+    alloc.free(torch.cat([out, dec]))
+    assert alloc.available_size() == 2048
     alloc.check_invariants()
 
 

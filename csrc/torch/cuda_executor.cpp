@@ -148,16 +148,16 @@ class CudaExecutor : public Executor {
       scratch_ = device_tensor(static_cast<int64_t>((bytes + sizeof(int64_t) - 1) / sizeof(int64_t))).data_ptr();
       scratch_bytes_ = bytes;
     }
+    check(cuda::select_pages(state, num_pages, a, b, out, count, scratch_, bytes, s), "launch of select_pages");
     last_op_ = "select_pages";
-    check(cuda::select_pages(state, num_pages, a, b, out, count, scratch_, bytes, s), "launch");
   }
 
-#define SWA_DEFINE_RUN(Op)                                   \
-  void run(int64_t n, const Op& op) override {               \
-    c10::cuda::CUDAGuard guard(device_);                     \
-    const cudaStream_t s = stream();                         \
-    last_op_ = #Op;                                          \
-    check(cuda::launch(n, op, s), "launch");                 \
+#define SWA_DEFINE_RUN(Op)                                \
+  void run(int64_t n, const Op& op) override {            \
+    c10::cuda::CUDAGuard guard(device_);                  \
+    const cudaStream_t s = stream();                      \
+    check(cuda::launch(n, op, s), "launch of " #Op);      \
+    last_op_ = #Op;                                       \
   }
   SWA_DEVICE_OPS(SWA_DEFINE_RUN)
 #undef SWA_DEFINE_RUN
