@@ -113,7 +113,9 @@ if [[ "$DRY" == 1 ]]; then
   phase build 240 build.log "$PY" setup.py build_ext --inplace
 else
   phase build 240 build.log "$PY" setup.py build_ext --inplace \
-    && phase import 30 build.log "$PY" -c "import swa_ext; assert swa_ext.built_with_cuda(), 'no CUDA kernels'"
+    && phase import 30 build.log "$PY" -c "import torch, swa_ext
+assert swa_ext.built_with_cuda(), 'no CUDA kernels'
+assert torch.cuda.is_available(), 'torch sees no GPU: the CUDA tests would only skip'"
   so="$(ls swa_ext/_C*.so 2>/dev/null | head -n 1)"
   if [[ -n "$so" ]] && command -v cuobjdump >/dev/null; then
     cuobjdump --list-elf "$so" >>"$OUT/env.txt" 2>&1
@@ -139,7 +141,11 @@ mapfile -t bad_input < <(cuda_nodes tests/test_bad_input.py)
 mapfile -t misuse < <(cuda_nodes tests/test_misuse.py)
 mapfile -t layer < <(grep '^tests/test_cuda_layer.py::' <<<"$collected" | grep -v 'emulated' || true)
 smoke_node="$(printf '%s\n' "${golden[@]}" | grep -m1 'ps1_' || true)"
-sanitized=("$smoke_node" "$(printf '%s\n' "${golden[@]}" | grep -m1 'ps16_' || true)" "${misuse[@]:0:2}")
+# Under the memory checker: two golden traces (page sizes 1 and 16) and the misuse walk
+# (its page sizes 1 and 16 where its ids say them; else its first two cuda nodes).
+mapfile -t walk < <(printf '%s\n' "${misuse[@]}" | grep -E 'walk.*(ps1-|ps16)' | sort -u -t- -k2,2 | head -n 2)
+((${#walk[@]})) || walk=("${misuse[@]:0:2}")
+sanitized=("$smoke_node" "$(printf '%s\n' "${golden[@]}" | grep -m1 'ps16_' || true)" "${walk[@]}")
 note "selected: golden ${#golden[@]}, cuda ${#cuda_tests[@]}, bad_input ${#bad_input[@]}, misuse ${#misuse[@]}, layer ${#layer[@]}, sanitized ${#sanitized[@]}"
 if ((${#golden[@]} == 0 || ${#cuda_tests[@]} == 0 || ${#bad_input[@]} == 0 || ${#layer[@]} == 0)) || [[ -z "$smoke_node" ]]; then
   note "FAILED: a selection is empty"
