@@ -25,7 +25,7 @@ namespace swa {
 namespace cuda {
 
 // kSlots: how many uploads the host may run ahead of the GPU before it waits.
-template <class Device, int kSlots = 8>
+template <class Device, int kSlots = 16>
 class StagingRing {
  public:
   explicit StagingRing(Device& device) : device_(device) {}

@@ -179,7 +179,8 @@ inline constexpr char hybrid_full_to_swa_index_mapping[] =
     "SWA slot, 0 when it has none; the last entry is -1 so that last_loc -1 translates to -1.\n"
     "The same tensor for the allocator's life (engines register it with their KV cache).";
 inline constexpr char hybrid_device_waits[] =
-    "How many times a CUDA allocator has waited for the GPU (count read-backs, snapshots); 0 on the CPU.";
+    "How many times a CUDA allocator has waited for the GPU (count read-backs, snapshots, an upload whose staging\n"
+    "slot was still being copied from, 16 uploads ahead of the GPU); 0 on the CPU.";
 
 inline constexpr char hybrid_available_size[] =
     "min(full_available_size(), swa_available_size()), in slots (tokens).";
