@@ -75,17 +75,15 @@ IntArg int_arg(const char* name, const py::handle& obj, const c10::Device& devic
 IntArg lengths_arg(const char* name, const py::handle& device_obj, const char* cpu_name, const py::handle& cpu_obj,
                    const c10::Device& device) {
   IntArg cpu = int_arg(cpu_name, cpu_obj, c10::Device(c10::kCPU));
+  const int64_t n = cpu.tensor.numel();
   if (device.is_cpu() && !device_obj.is(cpu_obj)) {
     IntArg dev = int_arg(name, device_obj, device);
-    const int64_t n = cpu.tensor.numel();
-    if (dev.tensor.numel() != n || (n > 0 && std::memcmp(dev.span().data, cpu.span().data, sizeof(int64_t) * n) != 0))
+    swa::check_batch_lengths({{name, dev.tensor.numel()}, {cpu_name, n}});
+    if (n > 0 && std::memcmp(dev.span().data, cpu.span().data, sizeof(int64_t) * n) != 0)
       throw py::value_error(std::string(name) + ": does not match " + cpu_name);
   } else if (!device.is_cpu()) {
     // Comparing with the device copy would wait for the GPU; its size is all we check.
-    if (!THPVariable_Check(device_obj.ptr()))
-      throw py::type_error(std::string(name) + ": expected a torch.Tensor");
-    if (THPVariable_Unpack(device_obj.ptr()).numel() != cpu.tensor.numel())
-      throw py::value_error(std::string(name) + ": has another length than " + cpu_name);
+    swa::check_batch_lengths({{name, tensor_arg(name, device_obj).numel()}, {cpu_name, n}});
   }
   return cpu;
 }
