@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <type_traits>
 
 #include "../core/allocator.h"
@@ -180,6 +181,7 @@ auto build_pools(const c10::Device& device, std::initializer_list<PoolDemand> de
   try {
     return build();
   } catch (const std::bad_alloc&) {
+  } catch (const std::length_error&) {  // more elements than a std::vector can hold
   } catch (const c10::OutOfMemoryError&) {
   } catch (const c10::Error&) {
     if (!device.is_cpu()) throw;  // torch's CPU allocator reports running out of memory as a plain c10::Error
