@@ -13,18 +13,33 @@ import torch
 from . import _C
 
 
+def _checked_device(device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):  # torch's text lists every device type it knows
+        raise TypeError(f"device: expected 'cpu' or 'cuda' (or a torch.device), got {device!r}") from None
+
+
+def _check_dtype(dtype) -> None:
+    # Recorded, not used for allocating: checked so that a typo surfaces here, not in the KV cache.
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype (torch.bfloat16, say), got {type(dtype).__name__} {dtype!r}")
+
+
 class PagedTokenToKVPoolAllocator(_C.PagePool):
     """One paged KV pool (page size > 1): SGLang's ``PagedTokenToKVPoolAllocator``.
 
     ``size`` slots (tokens) in pages of ``page_size`` slots, on ``device`` ("cpu" or
-    "cuda"). ``dtype`` and ``kvcache`` are recorded for the caller (SGLang's attributes);
-    the allocator itself only hands out slot indices. ``need_sort`` stages freed pages
-    and merges them sorted when an allocation needs them; ``kernels="emulated"`` (CPU
-    only) runs the GPU algorithm element by element, for tests.
+    "cuda"). ``dtype`` (a ``torch.dtype``) and ``kvcache`` are recorded for the caller
+    (SGLang's attributes); the allocator itself only hands out slot indices. ``need_sort``
+    stages freed pages and merges them sorted when an allocation needs them;
+    ``kernels="emulated"`` (CPU only) runs the GPU algorithm element by element, for tests.
+    A ``size`` whose tables do not fit in memory raises MemoryError naming it.
     """
 
     def __init__(self, size, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
-        super().__init__(size, page_size, torch.device(device), need_sort, kernels)
+        _check_dtype(dtype)
+        super().__init__(size, page_size, _checked_device(device), need_sort, kernels)
         self._dtype = dtype
         self._kvcache = kvcache
 
@@ -65,11 +80,12 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     ``size_swa`` SWA slots (tokens), in pages of ``page_size`` slots; page size 1 also
     supports ``alloc_extend``, ``alloc_decode`` and ``alloc_extend_swa_tail`` (SPEC.md
     section 4). The allocation methods return full-pool slots;
-    ``translate_loc_from_full_to_swa`` gives their SWA slots. ``dtype`` and ``kvcache``
-    are recorded for the caller; a ``kvcache`` with ``register_mapping`` is handed
+    ``translate_loc_from_full_to_swa`` gives their SWA slots. ``dtype`` (a ``torch.dtype``)
+    and ``kvcache`` are recorded for the caller; a ``kvcache`` with ``register_mapping`` is handed
     ``full_to_swa_index_mapping``; the pool views get its ``full_kv_pool`` and
     ``swa_kv_pool`` (None where it has none), as SGLang's do. ``need_sort`` stages freed
-    pages and merges them sorted when an allocation needs them.
+    pages and merges them sorted when an allocation needs them. A ``size`` or ``size_swa``
+    whose tables do not fit in memory raises MemoryError naming it; nothing is built.
 
     With ``device="cuda"`` the free lists, the mapping and every returned tensor live on
     the GPU (README: "CUDA"). ``kernels="emulated"`` with ``device="cpu"`` runs the GPU
@@ -81,7 +97,8 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     _token_view_class = TokenToKVPoolAllocator
 
     def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
-        super().__init__(size, size_swa, page_size, torch.device(device), need_sort, kernels)
+        _check_dtype(dtype)
+        super().__init__(size, size_swa, page_size, _checked_device(device), need_sort, kernels)
         self._dtype = dtype
         self._kvcache = kvcache
         view_class = self._token_view_class if page_size == 1 else self._paged_view_class

@@ -236,6 +236,10 @@ def release(allocator, req_to_token, row, seq_len, swa_evicted_seqlen, prefix_le
     ``req_to_token[row, :seq_len]`` is set to 0, the prefix's entries too (read the row
     before, to insert it into a prefix cache say), so that ``pre_alloc`` can take the row
     again. The row itself goes back to its ``ReqToTokenPool`` separately.
+
+    A row that holds no slots there (all 0: released already) is refused with ValueError
+    naming the row, and nothing is freed. A CUDA allocator without ``SWA_EXT_DEBUG=1``
+    finds that on the device: it raises DeferredError later, naming the padding slot.
     """
     _check_table(allocator, req_to_token)
     row = _row(req_to_token, row)
@@ -251,10 +255,18 @@ def release(allocator, req_to_token, row, seq_len, swa_evicted_seqlen, prefix_le
         raise ValueError(f"swa_evicted_seqlen: must be page-aligned and within [prefix_len = {prefix_len}, "
                          f"seq_len = {seq_len}], got {evicted}")
     slots = req_to_token[row]
-    # Both-sided part first: a stale evicted length (SWA pages already gone) is refused
-    # there before anything is freed.
-    if seq_len > evicted:
-        allocator.free_segment(slots[evicted:seq_len], start_pos=evicted)
-    if evicted > prefix_len:
-        allocator.free_full_segment(slots[prefix_len:evicted], start_pos=prefix_len)
+    try:
+        # Both-sided part first: a stale evicted length (SWA pages already gone) is refused
+        # there before anything is freed.
+        if seq_len > evicted:
+            allocator.free_segment(slots[evicted:seq_len], start_pos=evicted)
+        if evicted > prefix_len:
+            allocator.free_full_segment(slots[prefix_len:evicted], start_pos=prefix_len)
+    except ValueError:
+        # The native call names only the padding slot 0 it was handed; a row of 0s is a
+        # request released already (the row is read only here, so a release costs no read).
+        if not bool(slots[prefix_len:seq_len].any()):
+            raise ValueError(f"row: req_to_token[{row}] holds no slots in [{prefix_len}, {seq_len}) (all 0): "
+                             f"its request was released already, or the row never held one") from None
+        raise
     slots[:seq_len] = 0

@@ -94,10 +94,16 @@ def _read_azure(path: Path, limit: int | None) -> list[tuple[float, int, int]]:
         missing = [c for c in AZURE_COLUMNS if c not in (reader.fieldnames or ())]
         if missing:
             raise TraceError(f"{path}: CSV trace lacks column(s) {', '.join(missing)}")
-        for line_no, row in enumerate(reader, start=2):
+        for row in reader:
             if limit is not None and len(rows) >= limit:
                 break
-            where = f"{path}:{line_no}"
+            # line_num, not a count of rows: the reader skips blank lines.
+            where = f"{path}:{reader.line_num}"
+            missing = [c for c in AZURE_COLUMNS if row[c] is None]
+            if missing:
+                fields = sum(v is not None for k, v in row.items() if k is not None)
+                raise TraceError(f"{where}: the row has no {', '.join(missing)} field "
+                                 f"({fields} fields where the header has {len(reader.fieldnames)})")
             rows.append(
                 (
                     _azure_time(row["TIMESTAMP"], where),
@@ -121,8 +127,11 @@ def _read_mooncake(path: Path, limit: int | None) -> list[tuple[float, int, int]
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TraceError(f"{where}: not JSON ({e.msg})") from None
-            if not isinstance(record, dict) or any(k not in record for k in MOONCAKE_KEYS):
-                raise TraceError(f"{where}: a record needs {', '.join(MOONCAKE_KEYS)}")
+            if not isinstance(record, dict):
+                raise TraceError(f"{where}: a record is a JSON object with {', '.join(MOONCAKE_KEYS)}")
+            missing = [k for k in MOONCAKE_KEYS if k not in record]
+            if missing:
+                raise TraceError(f"{where}: the record has no {', '.join(missing)}")
             ts = record["timestamp"]
             if isinstance(ts, bool) or not isinstance(ts, (int, float)):
                 raise TraceError(f"{where}: timestamp is not a number: {ts!r}")

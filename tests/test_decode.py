@@ -595,11 +595,29 @@ def test_release_clears_the_row_prefix_included_and_a_second_release_is_refused(
     # The prefix is still the caller's; the request's own slots are back.
     assert alloc.full_available_size() == alloc.size_full - 8 and alloc.swa_available_size() == alloc.size_swa
     before = alloc.backup_state()
-    with pytest.raises(ValueError, match="padding"):
+    with pytest.raises(ValueError, match=r"^row: req_to_token\[0\] holds no slots in \[8, 30\) \(all 0\): "
+                                         r"its request was released already"):
         decode.release(alloc, table, 0, 30, evicted, prefix_len=8)
     assert alloc.backup_state() == before
     alloc.free_full(prefix)
     assert whole(alloc)
+
+
+@pytest.mark.parametrize("window, evict_to", [(8, None), (8, 28), (80, None)],
+                         ids=["evicted to the tail", "evicted to the last page", "nothing evicted"])
+def test_a_second_release_names_the_row_whatever_was_evicted(window, evict_to):
+    ps = 4
+    alloc = make_allocator(32 * ps, 16 * ps, ps)
+    table = decode.ReqToTokenPool(3, 64, "cpu").req_to_token
+    _, evicted = decode.pre_alloc(alloc, table, 2, 30, window)
+    if evict_to is not None:
+        alloc.free_swa_segment(table[2, evicted:evict_to], start_pos=evicted)
+        evicted = evict_to
+    decode.release(alloc, table, 2, 30, evicted)
+    before = alloc.backup_state()
+    with pytest.raises(ValueError, match=r"^row: req_to_token\[2\] holds no slots in \[0, 30\)"):
+        decode.release(alloc, table, 2, 30, evicted)
+    assert alloc.backup_state() == before and whole(alloc)
 
 
 def test_req_to_token_pool_clear_empties_the_rows():

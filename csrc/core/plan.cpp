@@ -12,9 +12,10 @@ constexpr int64_t kMaxLength = int64_t{1} << 62;
 AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
                      const PageGeometry& page) {
   const int64_t bs = batch.size();
-  if (last_loc.size != bs) fail("last_loc", "has ", last_loc.size, " entries for a batch of ", bs, " (seq_lens)");
-  if (!batch.decode && batch.prefix_lens.size != bs)
-    fail("prefix_lens", "has ", batch.prefix_lens.size, " entries but seq_lens has ", bs);
+  if (batch.decode)
+    check_batch_lengths({{"seq_lens", bs}, {"last_loc", last_loc.size}});
+  else
+    check_batch_lengths({{"prefix_lens", batch.prefix_lens.size}, {"seq_lens", bs}, {"last_loc", last_loc.size}});
   int64_t tokens = 0, pages = 0;
   for (int64_t j = 0; j < bs; ++j) {
     const int64_t seq = batch.seq_lens[j], prefix = batch.prefix(j);
@@ -99,6 +100,19 @@ void check_segment_start(int64_t start_pos, const PageGeometry& page) {
     fail("start_pos", start_pos, " is not page-aligned (page size ", page.size, ")");
 }
 
+void check_batch_lengths(std::initializer_list<BatchArg> args) {
+  const int64_t first = args.begin()->size;
+  bool same = true;
+  for (const BatchArg& a : args) same = same && a.size == first;
+  if (same) return;
+  std::string names, sizes;
+  for (const BatchArg& a : args) {
+    names += (names.empty() ? "" : ", ") + std::string(a.name);
+    sizes += (sizes.empty() ? "" : ", ") + std::string(a.name) + " " + std::to_string(a.size);
+  }
+  fail(names.c_str(), "differ in length (", sizes, "); each holds one entry per request");
+}
+
 void check_group_begin(bool open) {
   if (open) fail("free_group_begin", "a free group is already open (groups do not nest)");
 }
@@ -115,8 +129,7 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
                           int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
                           Destination dest, int64_t* new_evicted, EvictionPlan& plan) {
   const int64_t bs = rows.size;
-  if (pre_lens.size != bs) fail("pre_lens", "has ", pre_lens.size, " entries for ", bs, " rows");
-  if (evicted_seqlens.size != bs) fail("evicted_seqlens", "has ", evicted_seqlens.size, " entries for ", bs, " rows");
+  check_batch_lengths({{"rows", bs}, {"pre_lens", pre_lens.size}, {"evicted_seqlens", evicted_seqlens.size}});
   check_at_least_one("window", window);
   check_at_least_one("interval", interval);
   plan.row.clear();

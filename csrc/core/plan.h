@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,14 @@ void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int6
                          int64_t swa_capacity);
 // restore_state of a snapshot: it must come from an allocator (pool) of this shape.
 void check_state_shape(const char* what, bool same_shape);
+
+// Arguments that hold one entry per request of a batch must agree in length; the error
+// names every one of them with its length (not only the first that differs).
+struct BatchArg {
+  const char* name;
+  int64_t size;
+};
+void check_batch_lengths(std::initializer_list<BatchArg> args);
 
 // ---------------------------------------------------------------- allocation
 

@@ -3,14 +3,17 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <thread>
 #include <type_traits>
 
 #include "../core/allocator.h"
 #include "../core/device_store.h"
+#include "argument_errors.h"
 #include "docstrings.h"
 #ifdef SWA_EXT_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -112,17 +115,15 @@ IntArg int_arg(const char* name, const py::handle& obj, const c10::Device& devic
 IntArg lengths_arg(const char* name, const py::handle& device_obj, const char* cpu_name, const py::handle& cpu_obj,
                    const c10::Device& device) {
   IntArg cpu = int_arg(cpu_name, cpu_obj, c10::Device(c10::kCPU));
+  const int64_t n = cpu.tensor.numel();
   if (device.is_cpu() && !device_obj.is(cpu_obj)) {
     IntArg dev = int_arg(name, device_obj, device);
-    const int64_t n = cpu.tensor.numel();
-    if (dev.tensor.numel() != n || (n > 0 && std::memcmp(dev.span().data, cpu.span().data, sizeof(int64_t) * n) != 0))
+    swa::check_batch_lengths({{name, dev.tensor.numel()}, {cpu_name, n}});
+    if (n > 0 && std::memcmp(dev.span().data, cpu.span().data, sizeof(int64_t) * n) != 0)
       throw py::value_error(std::string(name) + ": does not match " + cpu_name);
   } else if (!device.is_cpu()) {
     // Comparing with the device copy would wait for the GPU; its size is all we check.
-    if (!THPVariable_Check(device_obj.ptr()))
-      throw py::type_error(std::string(name) + ": expected a torch.Tensor");
-    if (THPVariable_Unpack(device_obj.ptr()).numel() != cpu.tensor.numel())
-      throw py::value_error(std::string(name) + ": has another length than " + cpu_name);
+    swa::check_batch_lengths({{name, tensor_arg(name, device_obj).numel()}, {cpu_name, n}});
   }
   return cpu;
 }
@@ -197,16 +198,60 @@ struct PoolHandle {
   }
 };
 
+// The memory an allocator's pools take grows with a size argument; a lower bound of it
+// that holds for every store: an int64 per page for a pool's free list, and for the
+// hybrid allocator's size an int64 per slot for the full-to-SWA mapping.
+struct PoolDemand {
+  const char* arg;
+  int64_t slots;
+  long double bytes;
+};
+
+PoolDemand pool_demand(const char* arg, int64_t slots, int64_t page_size, bool mapped) {
+  const long double pages = static_cast<long double>(slots / page_size);
+  return PoolDemand{arg, slots, 8.0L * pages + (mapped ? 8.0L * static_cast<long double>(slots + page_size + 1) : 0.0L)};
+}
+
+// Builds an allocator's pools; when the memory for them cannot be had, a MemoryError names
+// the size argument that asks for the most, with the bytes it needs, and nothing is built.
+template <class Build>
+auto build_pools(const c10::Device& device, std::initializer_list<PoolDemand> demands, const Build& build)
+    -> decltype(build()) {
+  try {
+    return build();
+  } catch (const std::bad_alloc&) {
+  } catch (const std::length_error&) {  // more elements than a std::vector can hold
+  } catch (const c10::OutOfMemoryError&) {
+  } catch (const c10::Error&) {
+    if (!device.is_cpu()) throw;  // torch's CPU allocator reports running out of memory as a plain c10::Error
+  }
+  const PoolDemand* most = demands.begin();
+  for (const PoolDemand& d : demands)
+    if (d.bytes > most->bytes) most = &d;
+  const char* units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  long double scaled = most->bytes / 1024.0L;
+  int unit = 0;
+  for (; scaled >= 1024.0L && unit < 5; ++unit) scaled /= 1024.0L;
+  char bytes[96];
+  std::snprintf(bytes, sizeof bytes, "%.0Lf bytes (%.1Lf %s)", most->bytes, scaled, units[unit]);
+  PyErr_SetString(PyExc_MemoryError, (std::string(most->arg) + ": " + std::to_string(most->slots) +
+                                      " slots need at least " + bytes + " of " + device.str() +
+                                      " memory for the allocator's tables, more than can be allocated")
+                                         .c_str());
+  throw py::error_already_set();
+}
+
 PoolHandle make_pool(int64_t size, int64_t page_size, const c10::Device& device, bool need_sort,
                      const std::string& kernels) {
   const bool debug = debug_checks_enabled();
   std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
-  std::shared_ptr<swa::PoolStore> store;
-  if (executor)
-    store = std::make_shared<swa::DevicePool>(std::make_shared<swa::DeviceControl>(executor, 1, debug), 0, size,
-                                              page_size, need_sort);
-  else
-    store = std::make_shared<swa::PagePool>(size, page_size, need_sort);
+  std::shared_ptr<swa::PoolStore> store = build_pools(
+      device, {pool_demand("size", size, page_size, false)}, [&]() -> std::shared_ptr<swa::PoolStore> {
+        if (executor)
+          return std::make_shared<swa::DevicePool>(std::make_shared<swa::DeviceControl>(executor, 1, debug), 0, size,
+                                                   page_size, need_sort);
+        return std::make_shared<swa::PagePool>(size, page_size, need_sort);
+      });
   return PoolHandle{std::make_shared<swa::PoolAllocator>(store), device, std::make_shared<std::atomic<bool>>(false),
                     debug};
 }
@@ -217,16 +262,20 @@ struct HybridHandle {
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
     const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size);
     std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
-    // One tensor for the allocator's life: serving engines register it with their KV cache.
-    mapping = at::zeros({mapping_len}, at::TensorOptions().dtype(at::kLong).device(device));
-    int64_t* table = mapping.data_ptr<int64_t>();
-    std::unique_ptr<swa::HybridStore> store;
-    if (executor)
-      store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, debug, table,
-                                                       mapping_len);
-    else
-      store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, table, mapping_len);
-    alloc = std::make_unique<swa::HybridAllocator>(std::move(store));
+    build_pools(device, {pool_demand("size", size, page_size, true), pool_demand("size_swa", size_swa, page_size, false)},
+                [&] {
+                  // One tensor for the allocator's life: serving engines register it with their KV cache.
+                  mapping = at::zeros({mapping_len}, at::TensorOptions().dtype(at::kLong).device(device));
+                  int64_t* table = mapping.data_ptr<int64_t>();
+                  std::unique_ptr<swa::HybridStore> store;
+                  if (executor)
+                    store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort,
+                                                                     debug, table, mapping_len);
+                  else
+                    store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, table,
+                                                                   mapping_len);
+                  alloc = std::make_unique<swa::HybridAllocator>(std::move(store));
+                });
   }
   void after_change() const {
     if (debug) alloc->check_invariants();
@@ -596,4 +645,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("evict_out_of_window", &evict_out_of_window, swa_docs::evict_out_of_window, py::arg("allocator"),
         py::arg("req_to_token"), py::arg("rows"), py::arg("pre_lens"), py::arg("evicted_seqlens"), py::arg("window"),
         py::kw_only(), py::arg("interval") = 1, py::arg("prefix_sharing") = false);
+
+  // Last: it takes over the calls of every function defined above.
+  swa_bindings::explain_argument_errors(m);
 }
