@@ -208,7 +208,7 @@ Binding bind(const py::detail::function_record& rec, const std::string& display,
                                   ? "from " + std::to_string(num_required_positional) + " to " +
                                         std::to_string(num_positional)
                                   : std::to_string(num_positional);
-    b.list_fault = display + "() takes " + range + (num_positional == 1 ? " positional argument" : " positional arguments") +
+    b.list_fault = display + "() takes " + range + " positional argument" + (num_positional == 1 ? "" : "s") +
                    " but " + std::to_string(given) + (given == 1 ? " was" : " were") + " given";
     return b;
   }

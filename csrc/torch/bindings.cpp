@@ -209,7 +209,8 @@ struct PoolDemand {
 
 PoolDemand pool_demand(const char* arg, int64_t slots, int64_t page_size, bool mapped) {
   const long double pages = static_cast<long double>(slots / page_size);
-  return PoolDemand{arg, slots, 8.0L * pages + (mapped ? 8.0L * static_cast<long double>(slots + page_size + 1) : 0.0L)};
+  const long double mapping = mapped ? 8.0L * static_cast<long double>(slots + page_size + 1) : 0.0L;
+  return PoolDemand{arg, slots, 8.0L * pages + mapping};
 }
 
 // Builds an allocator's pools; when the memory for them cannot be had, a MemoryError names
@@ -262,20 +263,20 @@ struct HybridHandle {
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
     const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size);
     std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
-    build_pools(device, {pool_demand("size", size, page_size, true), pool_demand("size_swa", size_swa, page_size, false)},
-                [&] {
-                  // One tensor for the allocator's life: serving engines register it with their KV cache.
-                  mapping = at::zeros({mapping_len}, at::TensorOptions().dtype(at::kLong).device(device));
-                  int64_t* table = mapping.data_ptr<int64_t>();
-                  std::unique_ptr<swa::HybridStore> store;
-                  if (executor)
-                    store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort,
-                                                                     debug, table, mapping_len);
-                  else
-                    store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, table,
-                                                                   mapping_len);
-                  alloc = std::make_unique<swa::HybridAllocator>(std::move(store));
-                });
+    const auto demands = {pool_demand("size", size, page_size, true),
+                          pool_demand("size_swa", size_swa, page_size, false)};
+    build_pools(device, demands, [&] {
+      // One tensor for the allocator's life: serving engines register it with their KV cache.
+      mapping = at::zeros({mapping_len}, at::TensorOptions().dtype(at::kLong).device(device));
+      int64_t* table = mapping.data_ptr<int64_t>();
+      std::unique_ptr<swa::HybridStore> store;
+      if (executor)
+        store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, debug, table,
+                                                         mapping_len);
+      else
+        store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, table, mapping_len);
+      alloc = std::make_unique<swa::HybridAllocator>(std::move(store));
+    });
   }
   void after_change() const {
     if (debug) alloc->check_invariants();

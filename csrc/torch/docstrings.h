@@ -70,7 +70,8 @@ inline constexpr char pool_init[] =
     "into the sorted free list when an allocation needs them; kernels: 'auto' (what the\n"
     "device implies), 'cpu' or 'cuda' (the same, stated), or 'emulated' (device='cpu' only)\n"
     "to run the GPU algorithm element by element on the CPU.\n"
-    "Raises ValueError or TypeError naming the bad argument.";
+    "Raises ValueError or TypeError naming the bad argument, and MemoryError naming size\n"
+    "(with the bytes its tables need) when they cannot be allocated.";
 
 inline constexpr char pool_init_shared[] = "A second handle on the pool `shared` (how a hybrid allocator's pool views are made).";
 
@@ -163,7 +164,8 @@ inline constexpr char hybrid_init[] =
     "page_size: slots per page; device: 'cpu' or 'cuda'; need_sort: freed pages are staged\n"
     "and merged sorted; kernels: 'auto' (what the device implies), 'cpu' or 'cuda' (the\n"
     "same, stated; the values of the kernels property), or 'emulated' (device='cpu' only).\n"
-    "Raises ValueError or TypeError naming the bad argument.";
+    "Raises ValueError or TypeError naming the bad argument, and MemoryError naming size or\n"
+    "size_swa (with the bytes its tables need) when they cannot be allocated.";
 
 inline constexpr char hybrid_page_size[] = "Slots (tokens) per page, the same in both pools.";
 inline constexpr char hybrid_size[] = "min(size_full, size_swa), in slots (tokens).";
