@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,23 @@ def pytest_addoption(parser):
         default=False,
         help="run the tests marked slow (the million-call soak) and the long property-test budgets",
     )
+    parser.addoption(
+        "--emulated-order-offset",
+        type=int,
+        default=None,
+        help="shift the element order of every emulated launch (sets SWA_EXT_EMULATED_ORDER_OFFSET), so that "
+        "each launch of each kernels='emulated' test runs in another order than with the default 0",
+    )
+
+
+def pytest_configure(config):
+    offset = config.getoption("--emulated-order-offset")
+    if offset is not None:
+        os.environ["SWA_EXT_EMULATED_ORDER_OFFSET"] = str(offset)
+
+
+def pytest_report_header(config):
+    return f"emulated element-order offset: {os.environ.get('SWA_EXT_EMULATED_ORDER_OFFSET', '0')}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,9 @@
 // of raw pointers whose operator()(i) does element i, so one definition runs as a CUDA
 // kernel (csrc/cuda/kernels.cu) and element by element on the CPU (HostExecutor), where
 // the tests replay every trace through it. Ops never read memory out of bounds: a bad
-// value is reported into the error record and its element does nothing else.
+// value is reported into the error record and its element does nothing else. Every
+// position an op forms from the counters is checked against the pool first, so that
+// even counters a misbehaving caller could skew never lead an op outside its arrays.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +50,7 @@ enum ErrorCode : int64_t {
   kLastLocFault,      // value: last_loc; detail: the prefix length; kind: the LastLocFault
   kSwaContinuation,   // value: last_loc; detail: its mapped SWA slot
   kTranslateRange,    // value: the slot; detail: the mapping's length
+  kCountsOff,         // value: the pages a launch would place or take; detail: what the counters allow
 };
 
 SWA_HD void report(int64_t* error, int64_t code, int64_t call, int64_t arg, int64_t entry, int64_t value,
@@ -87,14 +90,32 @@ struct PoolView {
   int64_t* group_index;  // token pool: the open group's free() pages, in call order
   int64_t* group_pages;  // the open group's pages freed by id, in call order
   StateWord* state;      // [num_pages + 1]
+  int64_t* ring_pos;     // [num_pages + 1]: where in the ring each page was last written
   const int64_t* ctl_in;
   int64_t* ctl_out;
 
-  // Ring positions the ops form stay within (-num_pages, 2 * num_pages).
+  // Folds one period: the ops form positions within (-num_pages, 2 * num_pages) only,
+  // having checked their counts first (can_take, has_room).
   SWA_HD int64_t wrap(int64_t pos) const {
     return pos >= num_pages ? pos - num_pages : pos < 0 ? pos + num_pages : pos;
   }
   SWA_HD int64_t page_at(int64_t k) const { return ring[wrap(ctl_in[kHead] + k)]; }
+  // Whether the free list holds n pages to take.
+  SWA_HD bool can_take(int64_t n) const { return n >= 0 && n <= ctl_in[kFreeCount]; }
+  // Whether n more pages fit the list whose length is counter `word` (num_pages entries).
+  SWA_HD bool has_room(CtlWord word, int64_t n) const { return n >= 0 && ctl_in[word] <= num_pages - n; }
+  // Whether page p is one of the first n pages of the free list (the pages an allocation
+  // of n pages is taking). A page in the free list is at its ring position; a page taken
+  // since is not, as only free pages lie in the free list.
+  SWA_HD bool among_first_free(int64_t p, int64_t n) const {
+    const int64_t pos = ring_pos[p];
+    return ring[pos] == p && wrap(pos - ctl_in[kHead]) < n;
+  }
+  // The state page p had before a launch that takes the first `taking` pages of the
+  // free list, whose other elements may be marking those held as this one reads.
+  SWA_HD PageState state_before(int64_t p, int64_t taking) const {
+    return taking > 0 && among_first_free(p, taking) ? PageState::kFree : state_of(p);
+  }
   SWA_HD bool holds_slot(int64_t slot) const { return slot_in_pool(slot, page, num_pages); }
   SWA_HD bool holds_page(int64_t p) const { return page_id_in_pool(p, num_pages); }
   SWA_HD PageState state_of(int64_t p) const { return static_cast<PageState>(state[p]); }
@@ -143,17 +164,20 @@ struct LastLocCheck {
   const int64_t* last_loc;  // null when no request has a prefix
   Origin origin;
 
-  SWA_HD bool ok(const BatchView& batch, int64_t j, bool report_fault) const {
+  // full_taking / swa_taking: the pages the launch takes from each free list (their
+  // states are read as before it).
+  SWA_HD bool ok(const BatchView& batch, int64_t j, bool report_fault, int64_t full_taking = 0,
+                 int64_t swa_taking = 0) const {
     const int64_t prefix = batch.prefix(j);
     const int64_t last = last_loc != nullptr ? last_loc[j] : -1;
-    const auto full_state = [this](int64_t p) { return full.state_of(p); };
+    const auto full_state = [this, full_taking](int64_t p) { return full.state_before(p, full_taking); };
     const LastLocFault fault = last_loc_fault(last, prefix, full.page, full.num_pages, full_state);
     if (fault != LastLocFault::kNone) {
       if (report_fault) origin.fail(kLastLocFault, j, last, prefix, static_cast<int64_t>(fault));
       return false;
     }
     if (!hybrid || !swa_continuation || !continues_partial_page(prefix, batch.seq(j), full.page)) return true;
-    const auto swa_state = [this](int64_t p) { return swa.state_of(p); };
+    const auto swa_state = [this, swa_taking](int64_t p) { return swa.state_before(p, swa_taking); };
     const int64_t swa_last = mapping[last];
     if (swa_continuation_ok(last, swa_last, swa.page, swa.num_pages, swa_state)) return true;
     if (report_fault) origin.fail(kSwaContinuation, j, last, swa_last);
@@ -184,13 +208,17 @@ struct AllocSlotsOp {
   SWA_HD void operator()(int64_t i) const {
     const PoolView& full = check.full;
     const PoolView& swa = check.swa;
+    // The host plans from its counts; after a call the ops refused they can exceed the
+    // device's (its refused pages were never released), and then nothing is handed out.
+    const bool fits = full.can_take(need_full) && (!check.hybrid || swa.can_take(need_swa));
     if (i == 0) {
-      full.take_ctl(need_full);
-      if (check.hybrid) swa.take_ctl(need_swa);
+      full.take_ctl(fits ? need_full : 0);
+      if (check.hybrid) swa.take_ctl(fits ? need_swa : 0);
+      if (!fits) check.origin.fail(kCountsOff, 0, need_full, full.ctl_in[kFreeCount]);
     }
     const int64_t j = find_request(batch.words, batch.size, i);
     const int64_t t = i - batch.token_begin(j), prefix = batch.prefix(j), seq = batch.seq(j);
-    if (!check.ok(batch, j, t == 0)) {
+    if (!fits || !check.ok(batch, j, t == 0, need_full, check.hybrid ? need_swa : 0)) {
       out[i] = 0;
       return;
     }
@@ -363,53 +391,75 @@ struct RestateOp {
   }
 };
 
+// The counter of the list a destination appends to.
+SWA_HD CtlWord count_word(Destination dest) {
+  switch (dest) {
+    case Destination::kStaged:
+      return kStagedCount;
+    case Destination::kGroupIndex:
+      return kGroupIndexCount;
+    case Destination::kGroupPages:
+      return kGroupPageCount;
+    default:
+      return kFreeCount;
+  }
+}
+
 // Puts n pages (n from the host, or from device memory) where they go, in list order,
 // and updates the counters. reset_word, when >= 0, is a group counter emptied here.
+// Nothing moves once the error record holds an error: then a claim of this call (or of
+// an earlier one, which the host has not read yet) was refused, and releasing what the
+// call did claim, or counting what it did not, would leave counters the pages do not
+// match. Nor does anything move when the pages would not fit their list (reported).
 struct ReleaseOp {
   PoolView pool;
   const int64_t* pages;
   int64_t count;
   const int64_t* device_count;  // overrides count when set
+  int64_t max_count;            // the launch's elements: n beyond them would count pages never placed
   Destination dest;
   int64_t reset_word;
+  Origin origin;
 
   SWA_HD void operator()(int64_t i) const {
     const int64_t n = device_count != nullptr ? *device_count : count;
     const int64_t* c = pool.ctl_in;
+    // Read before any element of this launch reports (only element 0 does, and only
+    // when every element finds the same n unplaceable).
+    const bool refused = origin.error[kErrCode] != kNoError;
+    const bool placeable = n <= max_count && pool.has_room(count_word(dest), n);
     if (i == 0) {
       pool.copy_ctl();
-      switch (dest) {
-        case Destination::kPrepend:
-          pool.ctl_out[kHead] = pool.wrap(c[kHead] - n);
-          pool.ctl_out[kFreeCount] = c[kFreeCount] + n;
-          break;
-        case Destination::kAppend:
-          pool.ctl_out[kFreeCount] = c[kFreeCount] + n;
-          break;
-        case Destination::kStaged:
-          pool.ctl_out[kStagedCount] = c[kStagedCount] + n;
-          break;
-        case Destination::kGroupIndex:
-          pool.ctl_out[kGroupIndexCount] = c[kGroupIndexCount] + n;
-          break;
-        case Destination::kGroupPages:
-          pool.ctl_out[kGroupPageCount] = c[kGroupPageCount] + n;
-          break;
+      if (!refused && !placeable) origin.fail(kCountsOff, 0, n, pool.num_pages - c[count_word(dest)]);
+      if (!refused && placeable) {
+        switch (dest) {
+          case Destination::kPrepend:
+            pool.ctl_out[kHead] = pool.wrap(c[kHead] - n);
+            pool.ctl_out[kFreeCount] = c[kFreeCount] + n;
+            break;
+          case Destination::kAppend:
+            pool.ctl_out[kFreeCount] = c[kFreeCount] + n;
+            break;
+          default:
+            pool.ctl_out[count_word(dest)] = c[count_word(dest)] + n;
+            break;
+        }
+        if (reset_word >= 0) pool.ctl_out[reset_word] = 0;
       }
-      if (reset_word >= 0) pool.ctl_out[reset_word] = 0;
     }
-    if (i >= n) return;
+    if (refused || !placeable || i >= n) return;
     const int64_t p = pages[i];
     if (!pool.holds_page(p)) return;  // a rejected claim; its error is already reported
     switch (dest) {
       case Destination::kPrepend:
-        pool.ring[pool.wrap(c[kHead] - n + i)] = p;
+      case Destination::kAppend: {
+        const int64_t pos =
+            pool.wrap(dest == Destination::kPrepend ? c[kHead] - n + i : c[kHead] + c[kFreeCount] + i);
+        pool.ring[pos] = p;
+        pool.ring_pos[p] = pos;
         pool.state[p] = kFree;
         break;
-      case Destination::kAppend:
-        pool.ring[pool.wrap(c[kHead] + c[kFreeCount] + i)] = p;
-        pool.state[p] = kFree;
-        break;
+      }
       case Destination::kStaged:
         pool.staged[c[kStagedCount] + i] = p;
         pool.state[p] = kStaged;
@@ -442,6 +492,7 @@ struct RebuildFreeListOp {
     }
     if (i >= n) return;
     pool.ring[i] = sorted[i];
+    pool.ring_pos[sorted[i]] = i;
     pool.state[sorted[i]] = kFree;
   }
 };
@@ -459,6 +510,7 @@ struct ResetPoolOp {
       return;
     }
     pool.ring[i - 1] = i;
+    pool.ring_pos[i] = i - 1;
     pool.state[i] = kFree;
   }
 };

@@ -28,6 +28,8 @@ DeviceControl::DeviceControl(std::shared_ptr<Executor> executor, int num_pools, 
   words_ = executor_->allocate(dev::kErrWords + 2 * dev::kCtlWords * num_pools_);
 }
 
+void DeviceControl::detach(DevicePool* pool) { pools_.erase(std::find(pools_.begin(), pools_.end(), pool)); }
+
 void DeviceControl::check_usable() const {
   if (!poisoned_.empty()) throw DeferredError(poisoned_);
 }
@@ -120,6 +122,10 @@ std::string DeviceControl::describe(const int64_t* r) const {
     case dev::kTranslateRange:
       m << untranslatable_message(entry, value, detail);
       break;
+    case dev::kCountsOff:
+      m << "the device's page counts do not allow " << value << " pages (they allow " << detail
+        << "): an earlier call's pages were refused on the device";
+      break;
     default:
       m << name_of(kArgNames, std::size(kArgNames), r[dev::kErrArg]) << ": ";
       switch (r[dev::kErrCode]) {
@@ -139,7 +145,7 @@ std::string DeviceControl::describe(const int64_t* r) const {
           m << "error " << r[dev::kErrCode];
       }
   }
-  m << " [in " << name_of(kCallNames, std::size(kCallNames), r[dev::kErrCall]) << "]";
+  if (r[dev::kErrCall] >= 0) m << " [in " << name_of(kCallNames, std::size(kCallNames), r[dev::kErrCall]) << "]";
   return m.str();
 }
 
@@ -157,6 +163,7 @@ DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t
   group_index_ = exec.allocate(num_pages_);
   group_pages_ = exec.allocate(num_pages_);
   list_ = exec.allocate(num_pages_);
+  ring_pos_ = exec.allocate(num_pages_ + 1);
   selected_ = exec.allocate(num_pages_);
   selected_count_ = exec.allocate(1);
   state_ = reinterpret_cast<dev::StateWord*>(exec.allocate((num_pages_ + 2) / 2));
@@ -166,7 +173,7 @@ DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t
 
 dev::PoolView DevicePool::view() {
   int64_t* ctl = control_->ctl(slot_);
-  return dev::PoolView{num_pages_, page_, ring_, staged_, group_index_, group_pages_, state_,
+  return dev::PoolView{num_pages_, page_, ring_, staged_, group_index_, group_pages_, state_, ring_pos_,
                        ctl + parity_ * dev::kCtlWords, ctl + (1 - parity_) * dev::kCtlWords};
 }
 
@@ -315,8 +322,9 @@ void DevicePool::undo_claims() {
 void DevicePool::release(const int64_t* pages, int64_t n, const int64_t* device_count, int64_t launch,
                          Destination dest, int64_t reset_word) {
   if (device_count == nullptr && n == 0) return;
-  control_->exec().run(std::max<int64_t>(std::min(launch, num_pages_), 1),
-                       dev::ReleaseOp{view(), pages, n, device_count, dest, reset_word});
+  const int64_t elements = std::max<int64_t>(std::min(launch, num_pages_), 1);
+  control_->exec().run(elements, dev::ReleaseOp{view(), pages, n, device_count, elements, dest, reset_word,
+                                                control_->release_origin()});
   flip();
   if (reset_word == dev::kGroupIndexCount) group_index_count_ = 0;
   if (reset_word == dev::kGroupPageCount) group_page_count_ = 0;
@@ -377,6 +385,12 @@ PagePool DevicePool::snapshot() {
   Executor& exec = control_->exec();
   int64_t ctl[dev::kCtlWords];
   exec.copy_to_host(ctl, control_->ctl(slot_) + parity_ * dev::kCtlWords, dev::kCtlWords);
+  // The ops keep every count within the pool; one that is not would size the copies below.
+  for (const dev::CtlWord word : {dev::kHead, dev::kFreeCount, dev::kStagedCount, dev::kGroupIndexCount,
+                                  dev::kGroupPageCount})
+    if (ctl[word] < 0 || ctl[word] > num_pages_ || (word == dev::kHead && ctl[word] == num_pages_))
+      throw std::logic_error("device pool counter " + std::to_string(word) + " is " + std::to_string(ctl[word]) +
+                             ", outside a pool of " + std::to_string(num_pages_) + " pages");
   std::vector<int64_t> ring(static_cast<size_t>(num_pages_)), free_list(static_cast<size_t>(ctl[dev::kFreeCount]));
   exec.copy_to_host(ring.data(), ring_, num_pages_);
   for (int64_t k = 0; k < ctl[dev::kFreeCount]; ++k) free_list[k] = ring[(ctl[dev::kHead] + k) % num_pages_];
@@ -405,6 +419,9 @@ void DevicePool::restore_pool(const PagePool& pool) {
   Executor& exec = control_->exec();
   const std::vector<int64_t> free_list = pool.free_list();
   exec.copy_to_device(ring_, free_list.data(), static_cast<int64_t>(free_list.size()));
+  std::vector<int64_t> ring_pos(static_cast<size_t>(num_pages_ + 1), 0);
+  for (size_t k = 0; k < free_list.size(); ++k) ring_pos[free_list[k]] = static_cast<int64_t>(k);
+  exec.copy_to_device(ring_pos_, ring_pos.data(), num_pages_ + 1);
   const std::vector<int64_t>& staged = pool.staged_list();
   exec.copy_to_device(staged_, staged.data(), static_cast<int64_t>(staged.size()));
   const std::vector<int64_t>& by_index = pool.group_index_pages();

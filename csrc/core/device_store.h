@@ -9,7 +9,11 @@
 // debug=true (SWA_EXT_DEBUG=1) every call waits for them and a bad call raises before
 // it changes anything, as on the CPU. Otherwise the record is read where the host
 // waits anyway; a bad call found there raises DeferredError, and the allocator refuses
-// every call until clear() or restore_state().
+// every call until clear() or restore_state(). Until the host reads it, the device
+// keeps its pools whole: once the record holds an error no release moves a page or a
+// count (the refused call's claimed pages stay out of every list), and an allocation
+// takes only pages its free list holds, handing out slot 0 (the padding page) when the
+// host's counts promise more.
 #pragma once
 
 #include <cstdint>
@@ -39,7 +43,11 @@ class DeviceControl {
   bool debug() const { return debug_; }
   int64_t* ctl(int pool) { return words_ + dev::kErrWords + 2 * dev::kCtlWords * pool; }
   dev::Origin origin(Call call, Arg arg) { return dev::Origin{words_, call, arg}; }
+  // A release's: it blames no argument (its counts come from the call's claims).
+  dev::Origin release_origin() { return dev::Origin{words_, -1, -1}; }
   void attach(DevicePool* pool) { pools_.push_back(pool); }
+  // A pool going away (a hybrid allocator's pool view can outlive the other pool).
+  void detach(DevicePool* pool);
 
   // Throws the deferred error that poisoned the allocator, if any.
   void check_usable() const;
@@ -89,6 +97,7 @@ class DevicePool final : public PoolStore {
   DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t size, int64_t page_size, bool need_sort);
   DevicePool(const DevicePool&) = delete;
   DevicePool& operator=(const DevicePool&) = delete;
+  ~DevicePool() override { control_->detach(this); }
 
   // PoolStore
   int64_t size() const override { return size_; }
@@ -148,7 +157,7 @@ class DevicePool final : public PoolStore {
   PageGeometry page_;
   bool need_sort_;
   // device arrays
-  int64_t *ring_, *staged_, *group_index_, *group_pages_, *list_, *selected_, *selected_count_;
+  int64_t *ring_, *staged_, *group_index_, *group_pages_, *list_, *ring_pos_, *selected_, *selected_count_;
   dev::StateWord* state_;
   int parity_ = 0;
   // Host counts. While base_unknown_, they are changes since the read-back that will

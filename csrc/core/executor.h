@@ -45,6 +45,12 @@ class Executor {
 // Runs the ops on the CPU, one element after another, in host memory.
 class HostExecutor : public Executor {
  public:
+  // order_offset shifts the element order of every launch (next_order), so that a test
+  // run with another offset runs each launch of each test in another order.
+  explicit HostExecutor(int64_t order_offset = order_offset_from_env());
+  // SWA_EXT_EMULATED_ORDER_OFFSET, a non-negative integer; 0 when unset.
+  static int64_t order_offset_from_env();
+
   const char* kernels() const override { return "emulated"; }
   int64_t* allocate(int64_t words) override;
   const int64_t* upload(const std::vector<int64_t>& words) override;
@@ -59,7 +65,7 @@ class HostExecutor : public Executor {
 #undef SWA_DECLARE_RUN
 
   // The order in which a launch runs its n elements: first, then (i + step) mod n after
-  // i (see run()). Each next_order() is the order of one more launch.
+  // i (see next_order()). Each next_order() is the order of one more launch.
   struct ElementOrder {
     int64_t n, first, step;
     template <class Visit>
@@ -72,7 +78,8 @@ class HostExecutor : public Executor {
  private:
   std::vector<std::unique_ptr<int64_t[]>> blocks_;
   std::vector<int64_t> uploaded_, readback_;
-  int64_t launches_ = 0;
+  int64_t order_offset_;
+  int64_t launches_;  // starts at order_offset_
 };
 
 }  // namespace swa

@@ -1,9 +1,27 @@
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 #include "executor.h"
 
 namespace swa {
+
+HostExecutor::HostExecutor(int64_t order_offset) : order_offset_(order_offset), launches_(order_offset) {
+  if (order_offset < 0) throw std::invalid_argument("order_offset: must be >= 0, got " + std::to_string(order_offset));
+}
+
+int64_t HostExecutor::order_offset_from_env() {
+  const char* text = std::getenv("SWA_EXT_EMULATED_ORDER_OFFSET");
+  if (text == nullptr || text[0] == '\0') return 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  if (*end != '\0' || value < 0)
+    throw std::invalid_argument(std::string("SWA_EXT_EMULATED_ORDER_OFFSET: expected a non-negative integer, got '") +
+                                text + "'");
+  return value;
+}
 
 int64_t* HostExecutor::allocate(int64_t words) {
   blocks_.emplace_back(new int64_t[static_cast<size_t>(std::max<int64_t>(words, 1))]());
@@ -43,12 +61,14 @@ void HostExecutor::select_pages(const dev::StateWord* state, int64_t num_pages, 
 // orders from one launch to the next: ascending, descending, and a stride that
 // interleaves elements far apart. An op whose result depends on the order of its
 // elements then fails the emulated tests. Each order is a walk i -> (i + step) mod n
-// with step coprime to n, which visits every element once.
+// with step coprime to n, which visits every element once. The offset shifts which
+// launch gets which order, where a strided walk starts, and (every third offset) its stride.
 HostExecutor::ElementOrder HostExecutor::next_order(int64_t n) {
   const int64_t kind = launches_++ % 3;
   if (n <= 1 || kind == 0) return ElementOrder{n, 0, 1};
   if (kind == 1) return ElementOrder{n, n - 1, n - 1};
-  int64_t step = std::max<int64_t>(1, n / 2 + n / 8);  // far from 1 and from n - 1
+  // Far from 1 and from n - 1: about 5n/8 to 7n/8.
+  int64_t step = std::max<int64_t>(1, n / 2 + n / 8 + order_offset_ / 3 % std::max<int64_t>(1, n / 4));
   while (std::gcd(step, n) != 1) ++step;
   return ElementOrder{n, launches_ % n, step};
 }

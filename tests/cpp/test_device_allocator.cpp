@@ -214,3 +214,108 @@ TEST(DeviceAllocator, EmulatedLaunchesRunEveryElementOnceInOrdersThatDiffer) {
     EXPECT_GE(strided, 2) << "n=" << n;
   }
 }
+
+// A run with another order offset (SWA_EXT_EMULATED_ORDER_OFFSET) runs the same launches
+// in other orders, each still visiting every element once.
+TEST(DeviceAllocator, EmulatedOrderOffsetsChangeTheOrderOfEachLaunch) {
+  const V sizes{7, 64, 100, 1000, 7, 64, 100, 1000, 4096};
+  std::vector<std::vector<V>> runs;
+  for (const int64_t offset : {0, 1, 2, 3, 6}) {
+    HostExecutor exec(offset);
+    std::vector<V> walks;
+    for (const int64_t n : sizes) {
+      V walk;
+      exec.next_order(n).for_each([&walk](int64_t i) { walk.push_back(i); });
+      V sorted = walk;
+      std::sort(sorted.begin(), sorted.end());
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(sorted[i], i) << "offset " << offset << ", n=" << n;
+      walks.push_back(walk);
+    }
+    runs.push_back(walks);
+  }
+  for (size_t a = 0; a < runs.size(); ++a)
+    for (size_t b = a + 1; b < runs.size(); ++b) {
+      int differ = 0;
+      for (size_t k = 0; k < sizes.size(); ++k) differ += runs[a][k] != runs[b][k];
+      // Offsets 0, 1 and 2 give each launch another kind of order; 3 and 6 the same kinds
+      // as 0, with strided walks that start elsewhere or take another stride.
+      EXPECT_GE(differ, (a < 3 && b < 3) ? static_cast<int>(sizes.size()) : 3) << "offsets #" << a << " and #" << b;
+    }
+  setenv("SWA_EXT_EMULATED_ORDER_OFFSET", "5", 1);
+  EXPECT_EQ(HostExecutor::order_offset_from_env(), 5);
+  setenv("SWA_EXT_EMULATED_ORDER_OFFSET", "-1", 1);
+  EXPECT_THROW(HostExecutor::order_offset_from_env(), std::invalid_argument);
+  unsetenv("SWA_EXT_EMULATED_ORDER_OFFSET");
+  EXPECT_EQ(HostExecutor::order_offset_from_env(), 0);
+}
+
+namespace {
+
+// One pool's device arrays in host memory, for running single ops on counters a test sets.
+struct RawPool {
+  static constexpr int64_t kPages = 8;
+  V ring = V(kPages), staged = V(kPages), group_index = V(kPages), group_pages = V(kPages), ring_pos = V(kPages + 1);
+  std::vector<dev::StateWord> state = std::vector<dev::StateWord>(kPages + 1, dev::kHeld);
+  V ctl = V(2 * dev::kCtlWords), error = V(dev::kErrWords);
+  dev::PoolView view() {
+    return dev::PoolView{kPages, PageGeometry(1), ring.data(), staged.data(), group_index.data(), group_pages.data(),
+                         state.data(), ring_pos.data(), ctl.data(), ctl.data() + dev::kCtlWords};
+  }
+  dev::Origin origin() { return dev::Origin{error.data(), kCallFree, kArgIndices}; }
+};
+
+}  // namespace
+
+// Counters that a caller's misuse could once push past the pool (the host counting pages
+// the device refused) must not lead a release outside its list: it reports, moves nothing.
+TEST(DeviceAllocator, AReleaseThatWouldOverfillItsListMovesNothing) {
+  for (const Destination dest : {Destination::kPrepend, Destination::kAppend, Destination::kStaged,
+                                 Destination::kGroupIndex, Destination::kGroupPages}) {
+    RawPool pool;
+    const dev::CtlWord word = dev::count_word(dest);
+    pool.ctl[word] = RawPool::kPages - 1;  // room for one page
+    const V pages{1, 2, 3};
+    const RawPool before = pool;
+    HostExecutor exec;
+    exec.run(3, dev::ReleaseOp{pool.view(), pages.data(), 3, nullptr, 3, dest, -1, pool.origin()});
+    EXPECT_EQ(pool.error[dev::kErrCode], dev::kCountsOff);
+    EXPECT_EQ(pool.ring, before.ring);
+    EXPECT_EQ(pool.staged, before.staged);
+    EXPECT_EQ(pool.group_index, before.group_index);
+    EXPECT_EQ(pool.group_pages, before.group_pages);
+    EXPECT_EQ(pool.state, before.state);
+    EXPECT_EQ(V(pool.ctl.begin() + dev::kCtlWords, pool.ctl.end()), V(pool.ctl.begin(), pool.ctl.begin() + dev::kCtlWords))
+        << "the written counter copy is the read one";
+  }
+}
+
+TEST(DeviceAllocator, AReleaseAfterARefusedClaimMovesNothing) {
+  RawPool pool;
+  pool.error[dev::kErrCode] = dev::kClaimRefused;  // a claim of the call refused
+  const V pages{1, 0, 3};                           // its refused entry
+  const RawPool before = pool;
+  HostExecutor exec;
+  exec.run(3, dev::ReleaseOp{pool.view(), pages.data(), 3, nullptr, 3, Destination::kAppend, -1, pool.origin()});
+  EXPECT_EQ(pool.ring, before.ring);
+  EXPECT_EQ(pool.state, before.state);
+  EXPECT_EQ(pool.ctl[dev::kCtlWords + dev::kFreeCount], 0) << "the refused entry moved a count";
+  EXPECT_EQ(pool.error[dev::kErrCode], dev::kClaimRefused);
+}
+
+TEST(DeviceAllocator, AnAllocationThatItsFreeListCannotHoldHandsOutOnlyThePaddingSlot) {
+  Pair p(8, 8, 1, false);
+  // The device's free list holds 8 pages. A plan for 9 (which the host makes only from
+  // counts a refused call skewed) must take none.
+  DevicePool& pool = static_cast<DevicePool&>(p.dev.full());
+  const dev::PoolView full = pool.view();
+  const V words{0, 9, 0, 0, 9};  // one request: tokens [0, 9), no prefix, 9 tokens
+  const dev::BatchView batch{words.data(), 1};
+  const dev::LastLocCheck check{full, false, false, full, nullptr, nullptr, p.control().origin(kCallAlloc, kArgLastLoc)};
+  V out(9, -1);
+  p.exec->run(9, dev::AllocSlotsOp{batch, check, 9, 0, -1, nullptr, out.data()});
+  pool.flip();
+  EXPECT_EQ(out, V(9, 0));
+  EXPECT_THROW(p.control().raise_found_errors(), DeferredError);
+  p.dev.clear();
+  p.expect_same();
+}
