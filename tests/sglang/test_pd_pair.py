@@ -25,6 +25,13 @@ from swa_ext.traces import Request
 
 from conftest import MODEL_CONFIG
 
+try:
+    import mooncake.engine  # noqa: F401
+    import sglang_router  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the venv
+    pytest.skip(f"the pair needs Mooncake's transfer engine and SGLang's router ({e}): run scripts/setup-sglang.sh",
+                allow_module_level=True)
+
 PAGE_SIZE = 16
 MAX_TOTAL_TOKENS = 8192
 NEW_TOKENS = 100

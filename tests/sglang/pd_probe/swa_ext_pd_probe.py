@@ -33,6 +33,7 @@ _lock = threading.Lock()
 
 
 def _writer(kind):
+    os.makedirs(os.environ[REPORT_DIR_VARIABLE], exist_ok=True)
     path = os.path.join(os.environ[REPORT_DIR_VARIABLE], f"{kind}-{os.getpid()}.json")
     record = {}
 
