@@ -1,7 +1,7 @@
-"""SGLang nodes of a prefill/decode deployment on the CPU, for tests/sglang/test_pd_*.py
-and scripts/run-pd-demo.sh: their environment, their processes (each in its own process
-group, always killed at the end, every wait bounded), and what the probe plugin
-(tests/sglang/pd_probe) recorded in them.
+"""SGLang nodes of a prefill/decode deployment on the CPU, for tests/sglang/test_pd_*.py:
+their environment, their processes (each in its own process group, always killed at the
+end, every wait bounded), and what the probe plugin (tests/sglang/pd_probe) recorded in
+them.
 
 Run as a script it is one SGLang offline engine (settings and prompts in a JSON file):
 ``python pd_harness.py engine SPEC_JSON RESULT_JSON``. SWA_EXT_SGLANG and SGLang's checks
@@ -25,10 +25,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STUBS = os.path.join(HERE, "stubs")
 PROBE = os.path.join(HERE, "pd_probe")
 HOST = "127.0.0.1"
-WINDOW = 64  # the tiny model's sliding window (conftest.MODEL_CONFIG)
 
 # What a CPU-only run of SGLang's nodes needs, here and not in swa_ext:
-# - attention through SGLang's triton kernels, run by triton's interpreter on the CPU;
+# - attention through SGLang's triton kernels, run by triton's interpreter on the CPU
+#   (TRITON_INTERPRET=1, node_env);
 # - one KV split in the decode kernel (its multi-split path sizes buffers for a GPU);
 # - CUDA graphs off;
 # - a decode retraction backs the KV up to plain CPU tensors: the default host pool
@@ -46,8 +46,8 @@ def node_env(mode, probe_dir, lockstep_report=None):
     report directory, and only loopback addresses."""
     env = dict(os.environ, TRITON_INTERPRET="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
                SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", SGLANG_CHECK_KV_PAGE_INVARIANTS="1",
-               # SGLang frees out-of-window SWA every 128 decode steps by default: fewer than
-               # a short test decodes. Every 16 steps, the test sees the window move.
+               # SGLang frees a request's out-of-window SWA every 128 decode steps by default,
+               # more than a short test decodes: every 16, the tests see the window move.
                SGLANG_SWA_EVICTION_INTERVAL="16",
                SGLANG_HOST_IP=HOST, MC_TCP_BIND_ADDRESS=HOST, SWA_EXT_PD_PROBE_DIR=probe_dir,
                PYTHONPATH=os.pathsep.join([STUBS, PROBE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -76,6 +76,12 @@ def allocator_calls(probe_dir):
     records = probe_records(probe_dir, "alloc")
     assert len(records) == 1, f"expected one scheduler's allocator record in {probe_dir}, got {len(records)}"
     return records[0]
+
+
+def allocator_class(calls):
+    """(top-level package, class name) of the allocator the calls were made on."""
+    module, _, name = calls["allocator"].rpartition(".")
+    return module.split(".")[0], name
 
 
 def settled_allocator_calls(probe_dir, timeout=60):

@@ -97,7 +97,7 @@ def test_pair_gives_a_single_engines_outputs(pair_run):
 
 def test_pair_decode_node_served_by_swa_ext_in_lockstep(pair_run):
     calls, before, lockstep = pair_run["calls"], pair_run["before"], pair_run["lockstep"]
-    assert calls["allocator"] == "swa_ext.sglang.LockstepSWATokenToKVPoolAllocator"
+    assert pd_harness.allocator_class(calls) == ("swa_ext", "LockstepSWATokenToKVPoolAllocator"), calls["allocator"]
     assert not any("LockstepDivergence" in log for log in pair_run["logs"].values())
     served = {call: n - before.get(call, 0) for call, n in calls.items() if isinstance(n, int)}
     assert served["alloc_extend_swa_tail"] == len(PROMPTS), served  # SGLang's decode path: one tail each
