@@ -1,0 +1,280 @@
+"""SGLang nodes of a prefill/decode deployment on the CPU, for tests/sglang/test_pd_*.py:
+their environment, their processes (each in its own process group, always killed at the
+end, every wait bounded), and what the probe plugin (tests/sglang/pd_probe) recorded in
+them.
+
+Run as a script it is one SGLang offline engine (settings and prompts in a JSON file):
+``python pd_harness.py engine SPEC_JSON RESULT_JSON``. SWA_EXT_SGLANG and SGLang's checks
+are read at start-up, so each allocator mode is its own process.
+
+Every address is 127.0.0.1. Mooncake's engine also listens on all interfaces; these
+nodes are for a trusted host.
+"""
+import contextlib
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STUBS = os.path.join(HERE, "stubs")
+PROBE = os.path.join(HERE, "pd_probe")
+HOST = "127.0.0.1"
+
+# What a CPU-only run of SGLang's nodes needs, here and not in swa_ext:
+# - attention through SGLang's triton kernels, run by triton's interpreter on the CPU
+#   (TRITON_INTERPRET=1, node_env);
+# - one KV split in the decode kernel (its multi-split path sizes buffers for a GPU);
+# - CUDA graphs off;
+# - a decode retraction backs the KV up to plain CPU tensors: the default host pool
+#   pins its memory with cudaHostRegister, which needs a driver.
+# (MooncakeKVSender.supports_host_tensor_indices = False is set by the probe plugin, in
+# the prefill node's scheduler.)
+CPU_ENGINE_ARGS = {"device": "cpu", "attention_backend": "triton", "triton_attention_num_kv_splits": 1,
+                   "disable_cuda_graph": True}
+DECODE_CPU_ARGS = {"disaggregation_decode_retraction_backup": "cpu_tensor"}
+
+
+def node_env(mode, probe_dir, lockstep_report=None):
+    """The environment of one SGLang node: allocator mode (``sglang``: SGLang's own, or a
+    SWA_EXT_SGLANG value), SGLang's strict memory and KV-page checks on, the probe's
+    report directory, and only loopback addresses."""
+    env = dict(os.environ, TRITON_INTERPRET="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
+               SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", SGLANG_CHECK_KV_PAGE_INVARIANTS="1",
+               # SGLang frees a request's out-of-window SWA every 128 decode steps by default,
+               # more than a short test decodes: every 16, the tests see the window move.
+               SGLANG_SWA_EVICTION_INTERVAL="16",
+               SGLANG_HOST_IP=HOST, MC_TCP_BIND_ADDRESS=HOST, SWA_EXT_PD_PROBE_DIR=probe_dir,
+               PYTHONPATH=os.pathsep.join([STUBS, PROBE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                             if p]))
+    for name in ("SWA_EXT_SGLANG", "SWA_EXT_LOCKSTEP_REPORT", "SGLANG_PLUGINS"):
+        env.pop(name, None)
+    if mode != "sglang":
+        env["SWA_EXT_SGLANG"] = mode
+    if lockstep_report:
+        env["SWA_EXT_LOCKSTEP_REPORT"] = lockstep_report
+    os.makedirs(probe_dir, exist_ok=True)
+    return env
+
+
+def probe_records(probe_dir, kind):
+    """The probe's records of one kind (``alloc`` or ``sent``) in a node's processes."""
+    records = []
+    for path in sorted(glob.glob(os.path.join(probe_dir, f"{kind}-*.json"))):
+        with open(path) as f:
+            records.append(json.load(f))
+    return records
+
+
+def allocator_calls(probe_dir):
+    """The calls the node's scheduler made on its KV allocator (one scheduler: tp 1)."""
+    records = probe_records(probe_dir, "alloc")
+    assert len(records) == 1, f"expected one scheduler's allocator record in {probe_dir}, got {len(records)}"
+    return records[0]
+
+
+def allocator_class(calls):
+    """(top-level package, class name) of the allocator the calls were made on."""
+    module, _, name = calls["allocator"].rpartition(".")
+    return module.split(".")[0], name
+
+
+def settled_allocator_calls(probe_dir, timeout=60):
+    """The node's allocator calls once both pools are whole again, or after timeout
+    seconds: a request's answer can leave before its KV is released."""
+    deadline = time.monotonic() + timeout
+    while True:
+        calls = allocator_calls(probe_dir)
+        if calls["free_after_last_call"] == calls["pool_sizes"] or time.monotonic() > deadline:
+            return calls
+        time.sleep(0.5)
+
+
+def sent_bytes(probe_dir):
+    """Bytes the node handed to Mooncake in successful transfers, by KV region."""
+    total = {}
+    for record in probe_records(probe_dir, "sent"):
+        for key, value in record.items():
+            total[key] = value if key.endswith(("_item_bytes", "_buffers")) else total.get(key, 0) + value
+    return total
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A child in its own process group with its output in a log file; stop() ends the
+    group (SIGTERM, then SIGKILL after a bounded wait), whatever it started."""
+
+    def __init__(self, name, argv, env, log_path):
+        self.name, self.log_path = name, log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log(self, tail=6000):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-tail:] if tail else f.read()
+
+    def stop(self, grace=20):
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # The group may outlive its leader (SGLang's scheduler, Mooncake's threads).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def http_json(url, payload=None, timeout=600):
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def wait_healthy(process, url, timeout):
+    """Waits until GET url answers 200, at most timeout seconds; fails early if the
+    process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.proc.poll() is not None:
+            raise RuntimeError(f"{process.name} exited ({process.proc.returncode}):\n{process.log()}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{process.name} not healthy at {url} after {timeout} s:\n{process.log()}")
+
+
+def server_argv(model, page_size, max_total_tokens, port, mode=None, bootstrap_port=None, extra=()):
+    """``python -m sglang.launch_server`` on 127.0.0.1 with the CPU settings, as a
+    prefill or decode node (mode) or a single engine (mode None)."""
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", HOST, "--port", str(port),
+            "--skip-tokenizer-init", "--page-size", str(page_size), "--max-total-tokens", str(max_total_tokens),
+            "--random-seed", "0", "--log-level", "info"]
+    args = dict(CPU_ENGINE_ARGS)
+    if mode is not None:
+        args.update(disaggregation_mode=mode, disaggregation_transfer_backend="mooncake_tcp",
+                    disaggregation_bootstrap_port=bootstrap_port)
+        if mode == "decode":
+            args.update(DECODE_CPU_ARGS)
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv + list(extra)
+
+
+def router_argv(port, prefill_url, bootstrap_port, decode_url):
+    return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb", "--host", HOST,
+            "--port", str(port), "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url]
+
+
+class Pair:
+    """A prefill node, a decode node and SGLang's router in front of them, all on
+    127.0.0.1: the KV goes from one node to the other over Mooncake's TCP transport.
+    ``decode_mode`` says who serves the decode node's allocator (node_env)."""
+
+    START_TIMEOUT = 300  # seconds: the nodes' start on a loaded 2-core machine took 31-51 s
+
+    def __init__(self, model, workdir, decode_mode, page_size, max_total_tokens, decode_extra=()):
+        self.workdir = workdir
+        self.prefill_probe, self.decode_probe = (os.path.join(workdir, f"{role}-probe") for role in ("prefill", "decode"))
+        self.lockstep_report = os.path.join(workdir, "decode-lockstep.json") if decode_mode == "lockstep" else None
+        bootstrap, ports = free_port(), [free_port() for _ in range(3)]
+        self.prefill_url, self.decode_url, self.url = (f"http://{HOST}:{port}" for port in ports)
+        self.processes = []
+        try:
+            prefill = self._start("prefill", server_argv(model, page_size, max_total_tokens, ports[0], "prefill",
+                                                         bootstrap), node_env("sglang", self.prefill_probe))
+            decode = self._start("decode", server_argv(model, page_size, max_total_tokens, ports[1], "decode", bootstrap,
+                                                       decode_extra),
+                                 node_env(decode_mode, self.decode_probe, self.lockstep_report))
+            wait_healthy(prefill, self.prefill_url + "/health", self.START_TIMEOUT)
+            wait_healthy(decode, self.decode_url + "/health", self.START_TIMEOUT)
+            router = self._start("router", router_argv(ports[2], self.prefill_url, bootstrap, self.decode_url),
+                                 dict(os.environ))
+            wait_healthy(router, self.url + "/health", 120)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, role, argv, env):
+        process = Process(role, argv, env, os.path.join(self.workdir, f"{role}.log"))
+        self.processes.append(process)
+        return process
+
+    def generate(self, prompts, new_tokens, timeout=600):
+        """Greedy generation of each prompt through the router: their output ids."""
+        out = http_json(self.url + "/generate", {"input_ids": prompts, "sampling_params": {
+            "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}, timeout=timeout)
+        return [o["output_ids"] for o in out]
+
+    def logs(self):
+        return {p.name: p.log(tail=None) for p in self.processes}
+
+    def stop(self):
+        for process in reversed(self.processes):
+            process.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# --- the offline engine, run as a script --------------------------------------------------
+
+
+def run_engine(spec, result_path):
+    """One offline engine: ``spec`` holds the engine arguments, the prompts, the new
+    tokens, and for a decode node with the fake transfer the requests' bootstrap
+    fields. Writes each request's output ids."""
+    import sglang
+
+    engine = sglang.Engine(model_path=spec["model"], skip_tokenizer_init=True, log_level="info", random_seed=0,
+                           **CPU_ENGINE_ARGS, **spec["engine_args"])
+    rounds = []
+    try:
+        for r, prompts in enumerate(spec["rounds"]):
+            extra = {}
+            if spec["engine_args"].get("disaggregation_mode") == "decode":
+                from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+                # The fake transfer moves no KV (the prompt's KV stays zeros) and takes its first
+                # token from a hash of the rid: fixed rids make runs comparable.
+                rids = [f"round{r}-req{i}" for i in range(len(prompts))]
+                extra = {"bootstrap_host": [FAKE_BOOTSTRAP_HOST] * len(prompts), "bootstrap_port": [8998] * len(prompts),
+                         "bootstrap_room": [1000 * r + i for i in range(len(prompts))], "rid": rids}
+            out = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "ignore_eos": True,
+                                                                      "max_new_tokens": spec["new_tokens"]}, **extra)
+            rounds.append([o["output_ids"] for o in out])
+        settled_allocator_calls(os.environ["SWA_EXT_PD_PROBE_DIR"])  # before the scheduler is stopped
+    finally:
+        engine.shutdown()
+    with open(result_path, "w") as f:
+        json.dump({"rounds": rounds}, f)
+
+
+if __name__ == "__main__":
+    assert sys.argv[1] == "engine", sys.argv
+    with open(sys.argv[2]) as f:
+        run_engine(json.load(f), sys.argv[3])
