@@ -29,6 +29,7 @@ import logging
 import operator
 import types
 
+import numpy
 import torch
 from sglang.srt.environ import envs
 from sglang.srt.managers import schedule_batch
@@ -45,10 +46,9 @@ _SWA = ComponentType.SWA
 _kv = operator.attrgetter("kv")
 _decode_batch_idx = operator.attrgetter("decode_batch_idx")
 _seqlen = operator.attrgetter("seqlen")
-_req_pool_idx = operator.attrgetter("req_pool_idx")
-_cache_protected_len = operator.attrgetter("cache_protected_len")
-_swa_evict_floor = operator.attrgetter("swa_evict_floor")
+_kv_lengths = operator.attrgetter("req_pool_idx", "cache_protected_len", "swa_evict_floor")
 _cursors = operator.attrgetter("component_evicted_seqlens")
+_swa_cursor = operator.methodcaller("get", _SWA, 0)
 
 _sglang_maybe_evict_swa = schedule_batch.ScheduleBatch.maybe_evict_swa
 _warned = set()
@@ -105,17 +105,19 @@ def maybe_evict_swa(self):
 
 
 def _batch_lengths(reqs):
-    """The lengths the window rule reads, one row per request, in one pass each."""
+    """The lengths the window rule reads, a column each, read without a Python frame a
+    request (these reads are most of the hook's cost)."""
+    n = len(reqs)
     kvs = list(map(_kv, reqs))
-    rows = list(map(_req_pool_idx, kvs))
-    holds_kv = None not in rows
-    if not holds_kv:
-        rows = [-1 if row is None else row for row in rows]
-    lengths = torch.tensor([list(map(_decode_batch_idx, reqs)), list(map(_seqlen, reqs)),
-                            [cursors.get(_SWA, 0) for cursors in map(_cursors, kvs)],
-                            list(map(_cache_protected_len, kvs)), list(map(_swa_evict_floor, kvs)), rows],
-                           dtype=torch.int64)
-    return kvs, lengths
+    kv_lengths = list(map(_kv_lengths, kvs))
+    try:
+        kv_columns = numpy.array(kv_lengths, numpy.int64).T
+    except TypeError:  # requests that hold no KV (req_pool_idx None) are never due
+        kv_columns = numpy.array([(-1 if row is None else row, *rest) for row, *rest in kv_lengths], numpy.int64).T
+    rows, protected, evict_floor = kv_columns
+    return kvs, (numpy.fromiter(map(_decode_batch_idx, reqs), numpy.int64, n),
+                 numpy.fromiter(map(_seqlen, reqs), numpy.int64, n),
+                 numpy.fromiter(map(_swa_cursor, map(_cursors, kvs)), numpy.int64, n), protected, evict_floor, rows)
 
 
 def evict_decode_batch(batch, alloc, tree_cache):
@@ -130,38 +132,40 @@ def evict_decode_batch(batch, alloc, tree_cache):
     kvs, (decode_idx, seqlen, cursor, protected, evict_floor, rows) = _batch_lengths(reqs)
     pre_len = seqlen - 1
     # SGLang's due test (_swa_eviction_trigger), on the cursor as the request holds it.
-    due = (decode_idx >= 1) & (rows >= 0) & (pre_len - window >= cursor + interval)
-    due_at = due.nonzero().flatten()
-    if due_at.numel() == 0:
+    due_at = numpy.flatnonzero((decode_idx >= 1) & (rows >= 0) & (pre_len - window >= cursor + interval))
+    if due_at.size == 0:
         return None
     # ReqKvInfo.swa_dead_lo: above the tree-owned prefix and the eviction shield, the
     # shield rounded up to a page; the request's frees start there.
-    dead_lo = torch.maximum(protected, evict_floor)
+    protected, evict_floor = protected[due_at], evict_floor[due_at]
+    dead_lo = numpy.maximum(protected, evict_floor)
     if page_size > 1:
-        dead_lo = torch.where(dead_lo > protected, (dead_lo + page_size - 1) // page_size * page_size, dead_lo)
-    start = torch.maximum(cursor, dead_lo)[due_at]
-    due_rows, due_pre = rows[due_at], pre_len[due_at]
+        dead_lo = numpy.where(dead_lo > protected, -(-dead_lo // page_size) * page_size, dead_lo)
+    was = cursor[due_at]
+    start = numpy.maximum(was, dead_lo)
+    due_pre = pre_len[due_at]
     # A start past the committed length frees nothing and only moves the cursor.
-    frees = start <= due_pre
-    req_to_token = batch.req_to_token_pool.req_to_token
-    sharing = tree_cache.supports_prefix_sharing()
+    frees = numpy.flatnonzero(start <= due_pre)
+    end = start.copy()
     lockstep = getattr(alloc, "_shadow", None)
     alloc.free_group_begin()
     try:
         if lockstep is not None:
             want = _sglang_frees(batch, tree_cache, lockstep, due_at.tolist())
-        try:
-            end = start.clone()
-            if bool(frees.any()):
-                end[frees] = _C.evict_out_of_window(alloc, req_to_token, due_rows[frees], due_pre[frees], start[frees],
-                                                    window, 1, sharing)
-        except ValueError as e:  # rejected before any change
-            return f"the native call refused this batch ({e})"
+        if frees.size:
+            try:
+                end[frees] = _C.evict_out_of_window(
+                    alloc, batch.req_to_token_pool.req_to_token, torch.from_numpy(rows[due_at][frees]),
+                    torch.from_numpy(due_pre[frees]), torch.from_numpy(start[frees]), window, interval=1,
+                    prefix_sharing=tree_cache.supports_prefix_sharing()).numpy()
+            except ValueError as e:  # rejected before any change
+                return f"the native call refused this batch ({e})"
         if lockstep is not None:
+            alloc._lockstep.counts["maybe_evict_swa"] = alloc._lockstep.counts.get("maybe_evict_swa", 0) + 1
             _compare(reqs, due_at.tolist(), start.tolist(), end.tolist(), want)
     finally:
         alloc.free_group_end()
-    moved = (end != cursor[due_at]).nonzero().flatten()
+    moved = numpy.flatnonzero(end != was)
     for i, length in zip(due_at[moved].tolist(), end[moved].tolist()):
         kvs[i].set_evicted_seqlen(_SWA, length)
     return None
