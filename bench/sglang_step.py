@@ -16,6 +16,9 @@ request after each (what the forward pass would do), for three setups side by si
 - ``hook``: swa_ext's allocator and the hook (swa_ext.sglang.hooks), the default under
   ``SWA_EXT_SGLANG``.
 
+(``Scheduler`` also builds a ``lockstep`` setup, the hook on a lockstep allocator, for
+tests/sglang/test_evict_hook.py.)
+
 The three take turns step by step (alternating, in the same process) on identical
 batches; the table gives medians over the steps of ``maybe_evict_swa``, of the rest of
 the allocation (``alloc_for_decode`` without it) and of the rest of
@@ -107,8 +110,11 @@ class Scheduler:
         context = max(prompts) + steps + 2 * page_size + 8
         per_req_full = -(-context // page_size) * page_size
         per_req_swa = -(-(WINDOW + interval + 3 * page_size) // page_size) * page_size + page_size
+        if page_size == 1:  # no tail preallocation there: the prompt's SWA KV until the first eviction
+            per_req_swa += max(prompts)
         self.req_to_token_pool = ReqToTokenPool(num_reqs, context, "cpu", False)
-        alloc_class = SGLangSWA if setup == "sglang" else adapter.SWATokenToKVPoolAllocator
+        alloc_class = {"sglang": SGLangSWA, "lockstep": adapter.LockstepSWATokenToKVPoolAllocator}.get(
+            setup, adapter.SWATokenToKVPoolAllocator)
         self.alloc = alloc_class(num_reqs * per_req_full, num_reqs * per_req_swa, page_size, torch.float16, "cpu",
                                  _mapping_only_kvcache(), False, self.req_to_token_pool)
         self.tree_cache = UnifiedRadixCache(CacheInitParams(
@@ -141,7 +147,7 @@ class Scheduler:
         batch.orig_seq_lens = batch.seq_lens.to(torch.int32)
         batch.forward_mode = ForwardMode.DECODE
         batch.sampling_info = types.SimpleNamespace(penalizer_orchestrator=types.SimpleNamespace(is_required=False))
-        evict = hooks.maybe_evict_swa if setup == "hook" else hooks._sglang_maybe_evict_swa
+        evict = hooks.maybe_evict_swa if setup in ("hook", "lockstep") else hooks._sglang_maybe_evict_swa
         self.evict_us = []
         self._evict = evict.__get__(batch)
         batch.maybe_evict_swa = self._timed_evict  # the instance's, so the three setups share one process

@@ -4,7 +4,7 @@ The package, one file for each part:
 
 - ``adapters``: the classes that ARE SGLang 0.5.23's allocator types, served by swa_ext;
 - ``lockstep``: SGLang's own allocator shadowing every call (``LockstepDivergence``);
-- ``install``: which allocator SGLang builds, and ``install()`` / ``uninstall()``;
+- ``installer``: which allocator SGLang builds, and ``install()`` / ``uninstall()``;
 - ``hooks``: the scheduler's per-step SWA bookkeeping (``maybe_evict_swa``) as one
   native call (docs/sglang-eviction.md).
 
@@ -34,7 +34,7 @@ serves it and a warning says why, once.
 sglang is imported when this package is; ``import swa_ext`` does not import it.
 """
 from .adapters import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
-from .install import _REPLACED, install, installed, uninstall
+from .installer import _REPLACED, install, installed, uninstall
 from .lockstep import (LOCKSTEP_REPORT_VARIABLE, LockstepDivergence, LockstepPagedTokenToKVPoolAllocator,
                        LockstepSWATokenToKVPoolAllocator, LockstepTokenToKVPoolAllocator)
 

@@ -147,24 +147,22 @@ def evict_decode_batch(batch, alloc, tree_cache):
     # A start past the committed length frees nothing and only moves the cursor.
     frees = numpy.flatnonzero(start <= due_pre)
     end = start.copy()
-    lockstep = getattr(alloc, "_shadow", None)
     alloc.free_group_begin()
-    try:
-        if lockstep is not None:
-            want = _sglang_frees(batch, tree_cache, lockstep, due_at.tolist())
-        if frees.size:
-            try:
-                end[frees] = _C.evict_out_of_window(
-                    alloc, batch.req_to_token_pool.req_to_token, torch.from_numpy(rows[due_at][frees]),
-                    torch.from_numpy(due_pre[frees]), torch.from_numpy(start[frees]), window, interval=1,
-                    prefix_sharing=tree_cache.supports_prefix_sharing()).numpy()
-            except ValueError as e:  # rejected before any change
-                return f"the native call refused this batch ({e})"
-        if lockstep is not None:
-            alloc._lockstep.counts["maybe_evict_swa"] = alloc._lockstep.counts.get("maybe_evict_swa", 0) + 1
-            _compare(reqs, due_at.tolist(), start.tolist(), end.tolist(), want)
-    finally:
-        alloc.free_group_end()
+    if frees.size:
+        try:
+            end[frees] = _C.evict_out_of_window(
+                alloc, batch.req_to_token_pool.req_to_token, torch.from_numpy(rows[due_at][frees]),
+                torch.from_numpy(due_pre[frees]), torch.from_numpy(start[frees]), window, interval=1,
+                prefix_sharing=tree_cache.supports_prefix_sharing()).numpy()
+        except ValueError as e:  # rejected before any change
+            alloc.free_group_end()
+            return f"the native call refused this batch ({e})"
+    shadow = getattr(alloc, "_shadow", None)
+    if shadow is not None:  # lockstep: a difference raises here, naming the request, and the scheduler stops
+        want = _sglang_frees(batch, tree_cache, shadow, due_at.tolist())
+        alloc._lockstep.counts["maybe_evict_swa"] = alloc._lockstep.counts.get("maybe_evict_swa", 0) + 1
+        _compare(reqs, due_at.tolist(), start.tolist(), end.tolist(), want)
+    alloc.free_group_end()
     moved = numpy.flatnonzero(end != was)
     for i, length in zip(due_at[moved].tolist(), end[moved].tolist()):
         kvs[i].set_evicted_seqlen(_SWA, length)
