@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import gc
 import json
 import os
 import statistics
@@ -199,6 +200,10 @@ def run_case(num_reqs, page_size, interval, steps, warmup, radix_cache):
     original, alloc_times = _timed_alloc_for_decode()
     totals = {s.setup: [] for s in schedulers}
     allocs = {s.setup: [] for s in schedulers}
+    # The cyclic collector off while timing (as timeit does): a full collection over the
+    # three setups' requests would land on whichever step happens to allocate then.
+    gc.collect()
+    gc.disable()
     try:
         for step in range(steps + warmup):
             for s in (schedulers if step % 2 == 0 else schedulers[::-1]):
@@ -215,6 +220,7 @@ def run_case(num_reqs, page_size, interval, steps, warmup, radix_cache):
                 # The allocators hand out the same slots (the drop-in contract).
                 raise AssertionError(f"req_to_token differs after step {step}")
     finally:
+        gc.enable()
         schedule_batch.alloc_for_decode = original
     row = {"requests": num_reqs, "page_size": page_size, "interval": interval, "radix_cache": radix_cache,
            "steps": steps}
@@ -226,6 +232,30 @@ def run_case(num_reqs, page_size, interval, steps, warmup, radix_cache):
                         "prepare_rest_us": med(t - a for t, a in zip(totals[s.setup], allocs[s.setup])),
                         "prepare_for_decode_us": med(totals[s.setup])}
     return row
+
+
+def run_interval_pair(num_reqs, page_size, steps, warmup, radix_cache, fast=1, slow=128):
+    """The hook at interval ``fast`` against SGLang's loop and allocator at ``slow``,
+    alternating step by step in one process: what evicting every step costs next to
+    what SGLang pays for its default."""
+    from sglang.srt.managers import schedule_batch
+
+    pair = [(fast, Scheduler("hook", num_reqs, page_size, fast, steps + warmup, radix_cache)),
+            (slow, Scheduler("sglang", num_reqs, page_size, slow, steps + warmup, radix_cache))]
+    original, alloc_times = _timed_alloc_for_decode()
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(steps + warmup):
+            for interval, s in (pair if step % 2 == 0 else pair[::-1]):
+                os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = str(interval)
+                s.step()
+    finally:
+        gc.enable()
+        schedule_batch.alloc_for_decode = original
+    hook, sglang = (statistics.median(s.evict_us[warmup:]) for _, s in pair)
+    return {"requests": num_reqs, "page_size": page_size, "hook_interval": fast, "sglang_interval": slow,
+            "hook_us": hook, "sglang_us": sglang}
 
 
 def to_markdown(rows):
@@ -270,11 +300,22 @@ def main(argv=None):
                 rows.append(row)
                 print(f"[{num_reqs} requests, page {page_size}, interval {interval}] maybe_evict_swa µs: "
                       + ", ".join(f"{s} {row[s]['maybe_evict_swa_us']:.1f}" for s in SETUPS), file=sys.stderr)
+    pairs = []
+    if 1 in args.intervals and 128 in args.intervals:
+        for page_size in args.page_sizes:
+            _publish_server_args(page_size)
+            for num_reqs in args.requests:
+                pairs.append(run_interval_pair(num_reqs, page_size, args.steps, args.warmup, not args.no_radix))
     md = to_markdown(rows)
+    if pairs:
+        md += ("\n\n| requests | page | hook µs, interval 1 | SGLang's loop µs, interval 128 | ratio |\n"
+               "|---:|---:|---:|---:|---:|\n")
+        md += "\n".join(f"| {p['requests']} | {p['page_size']} | {p['hook_us']:.1f} | {p['sglang_us']:.1f} "
+                         f"| {p['sglang_us'] / p['hook_us']:.2f}x |" for p in pairs)
     print(md)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+            json.dump({"rows": rows, "interval_pairs": pairs}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(md + "\n")

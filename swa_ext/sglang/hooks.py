@@ -105,19 +105,22 @@ def maybe_evict_swa(self):
 
 
 def _batch_lengths(reqs):
-    """The lengths the window rule reads, a column each, read without a Python frame a
-    request (these reads are most of the hook's cost)."""
+    """What the due test reads, a column each, without a Python frame a request (these
+    reads are most of the hook's cost)."""
     n = len(reqs)
     kvs = list(map(_kv, reqs))
-    kv_lengths = list(map(_kv_lengths, kvs))
-    try:
-        kv_columns = numpy.array(kv_lengths, numpy.int64).T
-    except TypeError:  # requests that hold no KV (req_pool_idx None) are never due
-        kv_columns = numpy.array([(-1 if row is None else row, *rest) for row, *rest in kv_lengths], numpy.int64).T
-    rows, protected, evict_floor = kv_columns
     return kvs, (numpy.fromiter(map(_decode_batch_idx, reqs), numpy.int64, n),
                  numpy.fromiter(map(_seqlen, reqs), numpy.int64, n),
-                 numpy.fromiter(map(_swa_cursor, map(_cursors, kvs)), numpy.int64, n), protected, evict_floor, rows)
+                 numpy.fromiter(map(_swa_cursor, map(_cursors, kvs)), numpy.int64, n))
+
+
+def _due_lengths(kvs, due_at):
+    """Row, protected length and eviction shield of the due requests (row -1: no KV)."""
+    lengths = list(map(_kv_lengths, map(kvs.__getitem__, due_at.tolist())))
+    try:
+        return numpy.array(lengths, numpy.int64).reshape(-1, 3).T
+    except TypeError:  # a request that holds no KV (req_pool_idx None) is never evicted
+        return numpy.array([(-1 if row is None else row, *rest) for row, *rest in lengths], numpy.int64).T
 
 
 def evict_decode_batch(batch, alloc, tree_cache):
@@ -129,15 +132,18 @@ def evict_decode_batch(batch, alloc, tree_cache):
     window = tree_cache.swa_retain_window
     page_size = tree_cache.page_size
     interval = max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
-    kvs, (decode_idx, seqlen, cursor, protected, evict_floor, rows) = _batch_lengths(reqs)
+    kvs, (decode_idx, seqlen, cursor) = _batch_lengths(reqs)
     pre_len = seqlen - 1
     # SGLang's due test (_swa_eviction_trigger), on the cursor as the request holds it.
-    due_at = numpy.flatnonzero((decode_idx >= 1) & (rows >= 0) & (pre_len - window >= cursor + interval))
+    due_at = numpy.flatnonzero((decode_idx >= 1) & (pre_len - window >= cursor + interval))
     if due_at.size == 0:
         return None
+    rows, protected, evict_floor = _due_lengths(kvs, due_at)
+    holds_kv = numpy.flatnonzero(rows >= 0)
+    if holds_kv.size < due_at.size:
+        due_at, rows, protected, evict_floor = (a[holds_kv] for a in (due_at, rows, protected, evict_floor))
     # ReqKvInfo.swa_dead_lo: above the tree-owned prefix and the eviction shield, the
     # shield rounded up to a page; the request's frees start there.
-    protected, evict_floor = protected[due_at], evict_floor[due_at]
     dead_lo = numpy.maximum(protected, evict_floor)
     if page_size > 1:
         dead_lo = numpy.where(dead_lo > protected, -(-dead_lo // page_size) * page_size, dead_lo)
@@ -151,7 +157,7 @@ def evict_decode_batch(batch, alloc, tree_cache):
     if frees.size:
         try:
             end[frees] = _C.evict_out_of_window(
-                alloc, batch.req_to_token_pool.req_to_token, torch.from_numpy(rows[due_at][frees]),
+                alloc, batch.req_to_token_pool.req_to_token, torch.from_numpy(rows[frees]),
                 torch.from_numpy(due_pre[frees]), torch.from_numpy(start[frees]), window, interval=1,
                 prefix_sharing=tree_cache.supports_prefix_sharing()).numpy()
         except ValueError as e:  # rejected before any change
