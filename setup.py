@@ -120,7 +120,7 @@ setup(
         "Operating System :: POSIX :: Linux",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    packages=["swa_ext", "swa_ext_bench"],
+    packages=["swa_ext", "swa_ext.sglang", "swa_ext_bench"],
     package_dir={"swa_ext": "swa_ext", "swa_ext_bench": "bench"},
     package_data={"swa_ext": ["data/*.csv", "data/*.json", "data/*.jsonl", "data/LICENSE-*"]},
     ext_modules=[native_extension()],

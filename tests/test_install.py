@@ -152,7 +152,9 @@ def test_isolated_wheel_builds_against_the_installed_torch(source, tmp_path):
     # Every bundled data file: the simulator's traces (the Mooncake sample and its licence too).
     for data in (ROOT / "swa_ext" / "data").iterdir():
         assert f"swa_ext/data/{data.name}" in names, data.name
-    assert "swa_ext/sglang.py" in names and "swa_ext/sglang_plugin.py" in names
+    for part in ("__init__", "adapters", "lockstep", "installer", "hooks"):
+        assert f"swa_ext/sglang/{part}.py" in names, part
+    assert "swa_ext/sglang_plugin.py" in names
     # SGLang finds the plugin through this entry point (README: "Using swa_ext in SGLang").
     assert "[sglang.srt.plugins]\nswa_ext = swa_ext.sglang_plugin:plugin" in entry_points
 

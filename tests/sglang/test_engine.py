@@ -32,6 +32,9 @@ def run_engine(model, page_size, pool, mode):
     env = dict(os.environ, SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
                SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", SGLANG_CHECK_KV_PAGE_INVARIANTS="1",
                TRITON_INTERPRET="1", SWA_EXT_LOCKSTEP_REPORT=report,
+               # Out-of-window frees every 8 tokens, not SGLang's 128: with 100 new tokens the
+               # scheduler's eviction (swa_ext's hook under SWA_EXT_SGLANG) runs many times.
+               SGLANG_SWA_EVICTION_INTERVAL="8",
                PYTHONPATH=os.pathsep.join([STUBS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.pop("SWA_EXT_SGLANG", None)
     if mode != "sglang":
@@ -94,7 +97,7 @@ def test_lockstep_engine_run_has_no_divergence(tiny_model, page_size, pool):
     assert "LockstepDivergence" not in lockstep["log"]
     counts = lockstep["counts"]
     decode_call = "alloc_decode" if page_size > 1 else "alloc"
-    for call in (decode_call, "available_size", "free_group_begin", "free_group_end"):
+    for call in (decode_call, "available_size", "free_group_begin", "free_group_end", "maybe_evict_swa"):
         assert counts.get(call, 0) > 0, (call, counts)
     assert sum(n for call, n in counts.items() if call.startswith("free") and "group" not in call) > 0, counts
 

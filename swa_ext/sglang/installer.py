@@ -1,0 +1,170 @@
+"""Which allocator SGLang builds, and ``install()``: swa_ext's classes stand in for
+SGLang's allocator names in ``sglang.srt.mem_cache.kv_cache_configurator``, the one
+module that constructs allocators."""
+from __future__ import annotations
+
+import abc
+import inspect
+import logging
+
+import torch
+from sglang.srt.mem_cache import kv_cache_configurator
+from sglang.srt.mem_cache.allocator import paged as sglang_paged
+from sglang.srt.mem_cache.allocator import swa as sglang_swa
+from sglang.srt.mem_cache.allocator import token as sglang_token
+from sglang.srt.platforms import current_platform
+from sglang.srt.utils import is_npu
+
+from .. import _C
+from . import hooks
+from .adapters import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
+from .lockstep import (LockstepPagedTokenToKVPoolAllocator, LockstepSWATokenToKVPoolAllocator,
+                       LockstepTokenToKVPoolAllocator, _attach_shadow, _Lockstep)
+
+logger = logging.getLogger(__name__)
+
+
+def _reason_not_served(device, page_size):
+    """Why swa_ext cannot serve this allocator, or None."""
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        return f"device {device!r} (swa_ext runs on cpu and cuda)"
+    if kind == "cuda" and not _C.built_with_cuda():
+        return "this build of swa_ext has no CUDA kernels"
+    if is_npu():
+        return "the NPU has its own paged allocator"
+    if page_size > 1 and current_platform.get_paged_allocator_cls() is not None:
+        return f"the platform's own paged allocator ({current_platform.get_paged_allocator_cls().__name__})"
+    return None
+
+
+def _serve(sglang_class, build, reason, args, kwargs, pools):
+    if reason is not None:
+        logger.warning("swa_ext: SGLang's own %s serves: %s", sglang_class.__name__, reason)
+        return sglang_class(*args, **kwargs)
+    alloc = build(*args, **kwargs)
+    logger.info("swa_ext: %s serves %s, page size %d, on %s", type(alloc).__name__, pools(alloc), alloc.page_size,
+                alloc.device)
+    return alloc
+
+
+class _StandIn(abc.ABCMeta):
+    """Stands for one of SGLang's allocator classes in the module that builds them:
+    calling it builds swa_ext's allocator (or SGLang's, where swa_ext cannot serve);
+    isinstance and issubclass answer as they would for SGLang's class."""
+
+    def __call__(cls, *args, **kwargs):
+        return cls.build(*args, **kwargs)
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, cls.sglang_class)
+
+    def __subclasscheck__(cls, subclass):
+        return issubclass(subclass, cls.sglang_class)
+
+
+def _stand_in(sglang_class, build):
+    return _StandIn(sglang_class.__name__, (), {"sglang_class": sglang_class, "build": staticmethod(build),
+                                                "__doc__": _StandIn.__doc__})
+
+
+def _swa_builder(lockstep):
+    hybrid = LockstepSWATokenToKVPoolAllocator if lockstep else SWATokenToKVPoolAllocator
+
+    def build(size, size_swa, page_size, dtype, device, kvcache, need_sort, req_to_token_pool=None):
+        args = (size, size_swa, page_size, dtype, device, kvcache, need_sort, req_to_token_pool)
+        reason = _reason_not_served(device, page_size)
+        if reason is None and getattr(kvcache, "swa_req_ring_size", None) is not None:
+            reason = "the per-request SWA ring (kvcache.swa_req_ring_size) is SGLang's alone"
+        return _serve(sglang_swa.SWATokenToKVPoolAllocator, hybrid, reason, args, {},
+                      lambda a: f"a full pool of {a.size_full} tokens and an SWA pool of {a.size_swa} tokens "
+                                f"(kernels {a.kernels})")
+
+    return build
+
+
+def _pool_builder(pool_class, lockstep_class, sglang_class):
+    signature = inspect.signature(sglang_class.__init__)
+
+    def make(*args, **kwargs):
+        if lockstep_class is None:
+            return pool_class(*args, **kwargs)
+        return _attach_shadow(lockstep_class(*args, **kwargs), sglang_class(*args, **kwargs), _Lockstep())
+
+    def build(*args, **kwargs):
+        given = signature.bind(None, *args, **kwargs).arguments
+        reason = _reason_not_served(given["device"], given.get("page_size", 1))
+        return _serve(sglang_class, make, reason, args, kwargs, lambda a: f"one pool of {a.size} tokens")
+
+    return build
+
+
+# --- install ---------------------------------------------------------------------------
+
+_REPLACED = ("SWATokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator", "TokenToKVPoolAllocator")
+_originals = {}
+
+
+def _warn_if_built_elsewhere(configurator, allocator_given, pools):
+    """One warning when SGLang built an allocator that none of the names swa_ext replaces
+    stands for: swa_ext serves nothing in that process."""
+    built = pools.token_to_kv_pool_allocator
+    if allocator_given is not None or built is None or type(built) in _STOOD_IN or \
+            isinstance(built, (_C.HybridAllocator, _C.PagePool)):
+        return
+    if kv_cache_configurator.get_memory().enable_unified_memory:
+        why = ("--enable-unified-memory: SGLang builds its unified allocator in kv_cache_configurator.py before "
+               "the allocator names swa_ext replaces are reached")
+    else:
+        why = "SGLang built it on a path that does not go through the allocator names swa_ext replaces"
+    logger.warning("swa_ext: swa_ext does not serve this process; SGLang's own %s serves (%s)", type(built).__name__,
+                   why)
+
+
+def _init_pools(self, *, sizes, req_to_token_pool, token_to_kv_pool_allocator):
+    pools = _sglang_init_pools(self, sizes=sizes, req_to_token_pool=req_to_token_pool,
+                               token_to_kv_pool_allocator=token_to_kv_pool_allocator)
+    _warn_if_built_elsewhere(self, token_to_kv_pool_allocator, pools)
+    return pools
+
+
+_sglang_init_pools = kv_cache_configurator.KVCacheConfigurator._init_pools
+_STOOD_IN = (sglang_swa.SWATokenToKVPoolAllocator, sglang_paged.PagedTokenToKVPoolAllocator,
+             sglang_token.TokenToKVPoolAllocator)
+
+
+def install(*, single_pool=False, lockstep=False, evict_hook=True):
+    """Makes SGLang build swa_ext's allocators in this process: the hybrid SWA allocator,
+    and with ``single_pool`` also the page and token pools of non-SWA models. With
+    ``lockstep``, SGLang's own allocator shadows each one (package docstring). With
+    ``evict_hook``, the decode step's window eviction is one native call (hooks.py).
+    Calling it again replaces the previous installation."""
+    uninstall()
+    kv_cache_configurator.KVCacheConfigurator._init_pools = _init_pools
+    if evict_hook:
+        hooks.install()
+    stand_ins = {"SWATokenToKVPoolAllocator": _stand_in(sglang_swa.SWATokenToKVPoolAllocator,
+                                                        _swa_builder(lockstep))}
+    if single_pool:
+        stand_ins["PagedTokenToKVPoolAllocator"] = _stand_in(sglang_paged.PagedTokenToKVPoolAllocator, _pool_builder(
+            PagedTokenToKVPoolAllocator, lockstep and LockstepPagedTokenToKVPoolAllocator,
+            sglang_paged.PagedTokenToKVPoolAllocator))
+        stand_ins["TokenToKVPoolAllocator"] = _stand_in(sglang_token.TokenToKVPoolAllocator, _pool_builder(
+            TokenToKVPoolAllocator, lockstep and LockstepTokenToKVPoolAllocator, sglang_token.TokenToKVPoolAllocator))
+    for name, stand_in in stand_ins.items():
+        _originals[name] = getattr(kv_cache_configurator, name)
+        setattr(kv_cache_configurator, name, stand_in)
+
+
+def uninstall():
+    """Gives allocator construction and the scheduler's eviction back to SGLang."""
+    kv_cache_configurator.KVCacheConfigurator._init_pools = _sglang_init_pools
+    hooks.uninstall()
+    for name, original in _originals.items():
+        setattr(kv_cache_configurator, name, original)
+    _originals.clear()
+
+
+def installed():
+    """The SGLang allocator names swa_ext now builds, in this process."""
+    return sorted(_originals)
