@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for a session lent the device machine (one H200, its own Python and
+# The GPU check, for a machine with an NVIDIA GPU (one H200 here, its own Python and
 # torch, no internet): builds swa_ext with its CUDA kernels in place against that
 # torch, runs the CUDA golden replays, tests/test_cuda.py and the hostile-value runs
 # on the device store (checks first, and checks in its ops), then the CUDA
