@@ -998,8 +998,8 @@ def plot(scenario: Scenario, results: dict[str, PolicyResult], path: str) -> Non
     title = (f"{scenario.model.name} on {Path(scenario.trace).name}, {len(scenario.requests)} requests, "
              f"{scenario.kv_memory_gib:g} GiB KV, page {ps}, time scale {scenario.time_scale:g}\nSWA ratio: {ratios}")
     if _coincide(shown.get("evict"), shown.get("tail")):
-        title += ("\nevict and tail coincide: at this ratio evict holds a whole prompt on the SWA pool only until "
-                  "its first eviction, so both run alike")
+        title += ("\nevict and tail coincide: evict holds a whole prompt on the SWA pool only until its first\n"
+                  "eviction, which these prompts leave room for, so both pick the same ratio and run alike")
     axes[0].set_title(title, fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
