@@ -74,6 +74,7 @@ import torch
 
 import swa_ext
 from swa_ext import _C, decode
+from swa_ext.outputs import OutputError, check_output, write_all
 
 from . import sglang_ref
 from .baseline import BaselineSWAAllocator
@@ -816,34 +817,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_output(flag: str, out: str) -> None:
-    """Refuse, before anything is measured, a report path that cannot be written."""
-    path = Path(out)
-    if out == "":
-        raise _UsageError(f"{PROG}: error: {flag}: empty path")
-    if path.is_dir():
-        raise _UsageError(f"{PROG}: error: {flag} {out!r}: is a directory; give a file path")
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise _UsageError(f"{PROG}: error: {flag} {out}: no directory {parent}")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise _UsageError(f"{PROG}: error: {flag} {out}: not writable")
-
-
-def _check_plot_format(out: str) -> None:
-    """matplotlib picks the format from the suffix; an unknown one would fail after the run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    suffix = Path(out).suffix.lstrip(".").lower()
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if suffix not in formats:
-        raise _UsageError(f"{PROG}: error: --plot {out}: unknown image format {suffix!r}; "
-                          f"use one of {', '.join(sorted(formats))} (.png is the usual)")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``swa-ext bench``: checks every argument (exit 2, one line, before any work), then
     measures and writes the reports. The wall time it prints runs from here to the last
@@ -882,9 +855,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 )
         for flag, out in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
             if out is not None:
-                _check_output(flag, out)
-        if args.plot:
-            _check_plot_format(args.plot)
+                try:
+                    check_output(f"{PROG}: error: {flag}", out, image=flag == "--plot")
+                except OutputError as e:
+                    raise _UsageError(str(e)) from None
     except _UsageError as e:
         print(e, file=sys.stderr)
         return 2
@@ -914,14 +888,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     measured = time.perf_counter() - measuring
     md = to_markdown(rows)
     print(md)
+    reports = []
     if args.markdown:
-        Path(args.markdown).write_text(md, encoding="utf-8")
+        reports.append((args.markdown, lambda tmp: Path(tmp).write_text(md, encoding="utf-8")))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report(rows), f, indent=2)
-            f.write("\n")
+        def write_json(tmp):
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(report(rows), f, indent=2)
+                f.write("\n")
+
+        reports.append((args.json, write_json))
     if args.plot:
-        plot(rows, args.plot)
+        reports.append((args.plot, lambda tmp: plot(rows, tmp)))
+    for path in write_all(reports):
+        print(f"wrote {path}")
     if not args.quiet:
         print(f"wall time {time.perf_counter() - started:.1f} s: {imported}"
               f"{len(rows)} case{'' if len(rows) == 1 else 's'} measured in {measured:.1f} s, "

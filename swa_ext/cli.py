@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
-from pathlib import Path
 
 from swa_ext._version import __version__
+from swa_ext.outputs import OutputError, check_output, write_all
 
 PROG = "swa-ext"
 
@@ -21,6 +20,11 @@ DEFAULT_MODEL = "gpt-oss-20b"
 DEFAULT_MAX_REQUESTS = 10000
 DEFAULT_TIME_SCALE = 0.02
 DEFAULT_STEP_MS = 20.0
+
+# Exit status of a run stopped by Ctrl-C (128 + SIGINT), as a shell reports it.
+INTERRUPTED = 130
+# Where the per-step cost of eviction at each interval is measured.
+EVICTION_COST_DOC = "docs/sglang-eviction.md"
 
 # Bounds of the simulate options beyond which a value is a mistake, not a setting.
 MAX_KV_MEMORY_GIB = 4096.0
@@ -76,7 +80,8 @@ def _swa_ratio(text: str) -> float:
 
 def _simulate_parser() -> argparse.ArgumentParser:
     from swa_ext.models import load_models
-    from swa_ext.simulator import DEFAULT_RESERVED_DECODE_TOKENS, POLICIES, SGLANG_DEFAULT_SWA_RATIO
+    from swa_ext.simulator import (DEFAULT_RESERVED_DECODE_TOKENS, POLICIES, SGLANG_DEFAULT_EVICTION_INTERVAL,
+                                   SGLANG_DEFAULT_SWA_RATIO)
 
     p = _Parser(
         prog=f"{PROG} simulate",
@@ -97,6 +102,9 @@ def _simulate_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserved-decode-tokens", type=_non_negative_int, default=DEFAULT_RESERVED_DECODE_TOKENS,
                    help="decode room kept per running request at admission, SGLang's "
                    f"num_reserved_decode_tokens (default {DEFAULT_RESERVED_DECODE_TOKENS})")
+    p.add_argument("--eviction-interval", type=_positive_int, default=SGLANG_DEFAULT_EVICTION_INTERVAL,
+                   metavar="N", help="free a request's out-of-window SWA KV once N tokens have slid out of its "
+                   f"window, SGLang's SGLANG_SWA_EVICTION_INTERVAL (default {SGLANG_DEFAULT_EVICTION_INTERVAL})")
     p.add_argument("--policy", choices=POLICIES, action="append",
                    help="run only this policy (repeatable; default: all three)")
     p.add_argument("--max-requests", type=_positive_int, default=DEFAULT_MAX_REQUESTS,
@@ -109,25 +117,15 @@ def _simulate_parser() -> argparse.ArgumentParser:
                    default=DEFAULT_STEP_MS,
                    help=f"simulated time of one decode step (default {DEFAULT_STEP_MS:g})")
     p.add_argument("--json", metavar="PATH", help="write the report (config and per-policy metrics) as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="write a PNG of running requests and pool use")
+    p.add_argument("--plot", metavar="PATH", help="write a plot of running requests and pool use; the "
+                   "format follows the suffix (.png, .jpg, .pdf, .svg, ...)")
     return p
 
 
-def _check_output(option: str, path: str, suffix: str | None = None) -> None:
-    """Fail before the run, not after it, on a path the report cannot be written to."""
-    target = Path(path)
-    where = f"{PROG} simulate: error: argument {option}: {path}"
-    if not path:
-        raise UsageError(f"{PROG} simulate: error: argument {option}: an empty path")
-    if target.is_dir():
-        raise UsageError(f"{where}: is a directory, not a file name")
-    if suffix and target.suffix.lower() != suffix:
-        raise UsageError(f"{where}: the file is written as {suffix[1:].upper()}; name it *{suffix}")
-    parent = target.resolve().parent
-    if not parent.is_dir():
-        raise UsageError(f"{where}: no directory {parent}")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise UsageError(f"{where}: not writable")
+def _progress_line(label: str, result, seconds: float) -> None:
+    """One line per run, for a log: without a terminal there is no progress bar."""
+    print(f"run {label} at SWA ratio {result.swa_ratio:.3g}: mean_running {result.mean_running:.1f}, "
+          f"{result.completed} completed, {seconds:.1f} s", flush=True)
 
 
 def simulate_main(argv: list[str]) -> int:
@@ -136,10 +134,13 @@ def simulate_main(argv: list[str]) -> int:
     from swa_ext.traces import DEFAULT_TRACE, TraceError, load_trace
 
     args = _simulate_parser().parse_args(argv)
-    if args.json is not None:
-        _check_output("--json", args.json)
-    if args.plot is not None:
-        _check_output("--plot", args.plot, ".png")
+    try:
+        if args.json is not None:
+            check_output(f"{PROG} simulate: error: argument --json", args.json)
+        if args.plot is not None:
+            check_output(f"{PROG} simulate: error: argument --plot", args.plot, image=True)
+    except OutputError as e:
+        raise UsageError(str(e)) from None
     started = time.perf_counter()
     policies = tuple(dict.fromkeys(args.policy)) if args.policy else simulator.POLICIES
     try:
@@ -153,20 +154,35 @@ def simulate_main(argv: list[str]) -> int:
             step_ms=args.step_ms,
             time_scale=args.time_scale,
             reserved_decode_tokens=args.reserved_decode_tokens,
+            eviction_interval=args.eviction_interval,
         )
         # Every column is checked here, before the first run.
         simulator.plan_runs(scenario, policies, args.swa_ratio)
     except (TraceError, simulator.SimulationError) as e:
         raise UsageError(f"{PROG} simulate: error: {e}") from None
-    results = simulator.run(scenario, policies, swa_ratio=args.swa_ratio, progress=True)
+    on_run = None if sys.stdout.isatty() else _progress_line
+    results = simulator.run(scenario, policies, swa_ratio=args.swa_ratio, progress=True, on_run=on_run)
+    intervals = simulator.interval_comparison(scenario, results, progress=True, on_run=on_run)
     print(simulator.format_table(scenario, results))
-    print(f"\nwall time {time.perf_counter() - started:.1f} s")
+    summary = simulator.format_conclusion(scenario, results, intervals)
+    if summary:
+        print("\n" + summary)
+    if intervals is not None:
+        print(f"(what eviction costs per decode step at each interval: {EVICTION_COST_DOC})")
+    reports = []
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(simulator.report(scenario, results), f, indent=2)
-            f.write("\n")
+        def write_json(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(simulator.report(scenario, results, intervals), f, indent=2)
+                f.write("\n")
+
+        reports.append((args.json, write_json))
     if args.plot:
-        simulator.plot(scenario, results, args.plot)
+        reports.append((args.plot, lambda tmp: simulator.plot(scenario, results, tmp)))
+    written = write_all(reports)
+    print(f"\nwall time {time.perf_counter() - started:.1f} s")
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 
@@ -201,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         # --help and --version print and stop.
         return e.code or 0
+    except KeyboardInterrupt:
+        # Ctrl-C: the reports are written through temporary files, so nothing is left.
+        print(f"\n{PROG}: interrupted" if sys.stderr.isatty() else f"{PROG}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except OSError as e:
-        # Output paths that cannot be written.
+        # A report that could not be written after all (the disk filled up).
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        return 1

@@ -11,7 +11,8 @@ Each step the node (``DecodeNode``):
 - decodes one token per running request (one ``alloc_decode``); when that is
   refused, the newest running request is retracted (its KV released, to be
   transferred or recomputed again when it resumes) and the allocation retried;
-- frees the SWA KV that fell out of the window;
+- frees the SWA KV that fell out of the window, every ``eviction_interval``
+  tokens a request has slid past it (SGLang's ``SGLANG_SWA_EVICTION_INTERVAL``);
 - releases finished requests.
 
 Three policies replay the same requests with the same KV memory:
@@ -33,7 +34,7 @@ import math
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +50,9 @@ EVICTING = ("evict", "tail")
 SGLANG_DEFAULT_SWA_RATIO = 0.8
 # SGLang's num_reserved_decode_tokens default.
 DEFAULT_RESERVED_DECODE_TOKENS = 512
+# SGLang's SGLANG_SWA_EVICTION_INTERVAL default: a request's out-of-window SWA KV is
+# freed once at least this many tokens have slid out of its window.
+SGLANG_DEFAULT_EVICTION_INTERVAL = 128
 # SWA ratios tried for evict and tail: a coarse grid from 1% to 1.
 SWA_RATIO_SWEEP = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0)
 # req_to_token holds int32 slot ids, as SGLang's does.
@@ -65,11 +69,21 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def tail_swa_pages_bound(window: int, page_size: int) -> int:
-    """The most SWA pages one request holds under window eviction: the tokens
-    from the page-aligned eviction point up to the one just allocated span at
-    most window + page_size + 1 tokens, starting on a page boundary."""
-    return _cdiv(window + 1, page_size) + 1
+def tail_swa_pages_bound(window: int, page_size: int, interval: int = 1) -> int:
+    """The most SWA pages one request holds under window eviction. Eviction at
+    committed length L moves the page-aligned eviction point once
+    L - window >= point + interval, and then by whole pages only, so the tokens
+    from that point up to the one just allocated span at most
+    window + max(interval, page_size) + 1 tokens, starting on a page boundary."""
+    return _cdiv(window + max(interval, page_size) + 1, page_size)
+
+
+def sglang_swa_request_cap(window: int, page_size: int, interval: int) -> int:
+    """SWA tokens SGLang 0.5.23 budgets per running request when it sizes the SWA
+    pool from ``--max-running-requests`` (``pool_configurator.compute_swa_request_cap``,
+    no speculative decoding): the window, the interval's overshoot, a page of
+    padding that keeps the eviction point page-aligned and a page of decode room."""
+    return window + interval + page_size + page_size
 
 
 def pool_sizes(model: ModelConfig, kv_memory_bytes: float, page_size: int, swa_ratio: float) -> tuple[int, int]:
@@ -95,6 +109,7 @@ class Scenario:
     step_ms: float
     time_scale: float
     reserved_decode_tokens: int
+    eviction_interval: int
     requests: list[Request]
     trace_requests: int  # read from the trace
     skipped_over_context: int
@@ -111,6 +126,7 @@ def plan_scenario(
     step_ms: float = 20.0,
     time_scale: float = 1.0,
     reserved_decode_tokens: int = DEFAULT_RESERVED_DECODE_TOKENS,
+    eviction_interval: int = SGLANG_DEFAULT_EVICTION_INTERVAL,
 ) -> Scenario:
     """Check the settings and keep the requests a node of this model can serve at
     all: prompt plus output within the model's context, at least one token to
@@ -122,6 +138,8 @@ def plan_scenario(
             raise SimulationError(f"{name} must be positive and finite, got {value}")
     if reserved_decode_tokens < 0:
         raise SimulationError(f"reserved decode tokens must be >= 0, got {reserved_decode_tokens}")
+    if eviction_interval < 1:
+        raise SimulationError(f"eviction interval must be >= 1, got {eviction_interval}")
     in_context = [r for r in requests if r.prompt_len + r.output_len <= model.context_len]
     with_output = [r for r in in_context if r.output_len > 0]
     if not with_output:
@@ -134,6 +152,7 @@ def plan_scenario(
         step_ms=step_ms,
         time_scale=time_scale,
         reserved_decode_tokens=reserved_decode_tokens,
+        eviction_interval=eviction_interval,
         requests=with_output,
         trace_requests=len(requests),
         skipped_over_context=len(requests) - len(in_context),
@@ -143,12 +162,14 @@ def plan_scenario(
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """One policy's node: its SWA ratio and the pool sizes (tokens) it gives."""
+    """One policy's node: its SWA ratio, the pool sizes (tokens) it gives and, when
+    the node is sized from it, SGLang's ``--max-running-requests``."""
 
     policy: str
     swa_ratio: float
     size_full: int
     size_swa: int
+    max_running: int | None = None
 
 
 def policy_config(scenario: Scenario, policy: str, swa_ratio: float) -> PolicyConfig:
@@ -166,17 +187,34 @@ def policy_config(scenario: Scenario, policy: str, swa_ratio: float) -> PolicyCo
     return PolicyConfig(policy, ratio, size_full, size_swa)
 
 
-def _pages_needed(policy: str, total_len: int, window: int, page_size: int) -> tuple[int, int]:
+def sglang_request_cap_config(scenario: Scenario, policy: str, max_running: int, interval: int) -> PolicyConfig:
+    """The node SGLang configures for ``max_running`` requests with radix cache off
+    (its request-cap pool configurator): an SWA pool of ``sglang_swa_request_cap``
+    tokens per request, in whole pages, and the rest of the KV memory for the full pool."""
+    ps, model = scenario.page_size, scenario.model
+    size_swa = _cdiv(sglang_swa_request_cap(model.window, ps, interval) * max_running, ps) * ps
+    rest = scenario.kv_memory_gib * GIB - size_swa * model.swa_bytes_per_token
+    full_pages = int(rest // (model.full_bytes_per_token * ps)) - 1  # less the padding page
+    if full_pages <= 0:
+        raise SimulationError(
+            f"{scenario.kv_memory_gib:g} GiB of KV memory cannot hold SGLang's SWA pool for {max_running} "
+            f"requests at eviction interval {interval}")
+    size_full = min(full_pages * ps, MAX_POOL_TOKENS // ps * ps)
+    return PolicyConfig(policy, size_swa / size_full, size_full, size_swa, max_running)
+
+
+def _pages_needed(policy: str, total_len: int, window: int, page_size: int, interval: int) -> tuple[int, int]:
     """Full and SWA pages a request of final length ``total_len`` may hold at
     once, plus one: enough for any (re)admission and the decode step after it."""
     full = _cdiv(total_len, page_size)
-    swa = full if policy != "tail" else min(full, tail_swa_pages_bound(window, page_size))
+    swa = full if policy != "tail" else min(full, tail_swa_pages_bound(window, page_size, interval))
     return full + 1, swa + 1
 
 
 def fits_empty_node(scenario: Scenario, config: PolicyConfig, request: Request) -> bool:
     ps = scenario.page_size
-    full, swa = _pages_needed(config.policy, request.prompt_len + request.output_len, scenario.model.window, ps)
+    full, swa = _pages_needed(config.policy, request.prompt_len + request.output_len, scenario.model.window, ps,
+                              scenario.eviction_interval)
     return full <= config.size_full // ps and swa <= config.size_swa // ps
 
 
@@ -246,6 +284,7 @@ class PolicyResult:
     max_swa_pages_per_request: int = 0
     queue_wait_p50_steps: float = 0.0
     queue_wait_p99_steps: float = 0.0
+    step_ms: float = 0.0  # simulated time of a step, for the waits in seconds
     alloc_us_per_step_median: float = 0.0
     # One entry per simulated step with a batch: the step, the batch size at
     # decode, and the pages in use on each pool right after the decode allocation
@@ -277,11 +316,21 @@ class PolicyResult:
         "peak_swa_pages",
         "max_swa_pages_per_request",
         "queue_wait_p50_steps",
+        "queue_wait_p50_s",
         "queue_wait_p99_steps",
+        "queue_wait_p99_s",
         "steps",
         "alloc_us_per_step_median",
     )
     SWEEP_KEYS = ("swa_ratio", "rejected", "retractions", "mean_running", "capacity_bound")
+
+    @property
+    def queue_wait_p50_s(self) -> float:
+        return self.queue_wait_p50_steps * self.step_ms / 1000.0
+
+    @property
+    def queue_wait_p99_s(self) -> float:
+        return self.queue_wait_p99_steps * self.step_ms / 1000.0
 
     @property
     def bound_reached(self) -> float:
@@ -359,7 +408,7 @@ class DecodeNode:
         self.window = scenario.model.window
         self.reserve = scenario.reserved_decode_tokens
         # The most SWA tokens a request holds under eviction (page granular).
-        self.swa_span = tail_swa_pages_bound(self.window, ps) * ps
+        self.swa_span = tail_swa_pages_bound(self.window, ps, scenario.eviction_interval) * ps
         self.requests = [r for r in scenario.requests if fits_empty_node(scenario, config, r)]
         # No allocator for a node that rejects every request: its pools may be empty.
         self.allocator = allocator_factory(config.size_full, config.size_swa, ps) if self.requests else None
@@ -386,7 +435,7 @@ class DecodeNode:
 
         self.result = PolicyResult(
             config.policy, config.swa_ratio, config.size_full, config.size_swa, ps,
-            requests=len(scenario.requests), rejected=len(scenario.requests) - n,
+            requests=len(scenario.requests), rejected=len(scenario.requests) - n, step_ms=scenario.step_ms,
             capacity_bound=capacity_bound(scenario, config, self.requests),
         )
         self.watch = _Stopwatch()  # allocator calls of the current step
@@ -434,7 +483,8 @@ class DecodeNode:
         room_full = self.reserve * len(self.batch_req)
         room_swa = int(self._swa_room(held_swa).sum())
         new_req, new_rows, new_seq, new_ev = [], [], [], []
-        while self.queue:
+        while self.queue and (self.config.max_running is None
+                              or len(self.batch_req) + len(new_req) < self.config.max_running):
             i, fill = self.queue[0]
             swa_fill = _cdiv(self._swa_fill(fill), ps) * ps
             new_room_swa = int(self._swa_room(torch.tensor([swa_fill]))[0])
@@ -527,7 +577,8 @@ class DecodeNode:
         if self.config.policy in EVICTING:
             with self.watch:
                 self.evicted = self._decode.evict_out_of_window(
-                    self.allocator, self.req_to_token, self.rows, self.seq_lens - 1, self.evicted, self.window)
+                    self.allocator, self.req_to_token, self.rows, self.seq_lens - 1, self.evicted, self.window,
+                    interval=self.scenario.eviction_interval)
 
     def finish(self) -> int:
         """Release the requests that reached their length; how many did."""
@@ -581,9 +632,15 @@ class DecodeNode:
 def simulate(scenario: Scenario, policy: str, swa_ratio: float = SGLANG_DEFAULT_SWA_RATIO, *,
              allocator_factory=default_allocator, progress: bool = False) -> PolicyResult:
     """Replay the scenario under one policy at one SWA ratio."""
-    config = policy_config(scenario, policy, swa_ratio)
+    return simulate_config(scenario, policy_config(scenario, policy, swa_ratio),
+                           allocator_factory=allocator_factory, progress=progress)
+
+
+def simulate_config(scenario: Scenario, config: PolicyConfig, *, allocator_factory=default_allocator,
+                    progress: bool = False) -> PolicyResult:
+    """Replay the scenario on one policy's node."""
     node = DecodeNode(scenario, config, allocator_factory=allocator_factory)
-    return node.run(progress=progress, desc=f"{scenario.model.name} {policy} {config.swa_ratio:g}")
+    return node.run(progress=progress, desc=f"{scenario.model.name} {config.policy} {config.swa_ratio:g}")
 
 
 @dataclass(frozen=True)
@@ -626,18 +683,27 @@ def plan_runs(scenario: Scenario, policies=POLICIES, swa_ratio: float | None = N
     return runs
 
 
-def _sweep_rank(r: PolicyResult) -> tuple:
+def _rank(r: PolicyResult) -> tuple:
     # Every request served first; then the most concurrency (the shortest run);
     # then the fewest retractions.
     return (r.rejected, -r.mean_running, r.retractions)
 
 
-def _best_of(scenario: Scenario, policy: str, ratios: tuple[float, ...], *, allocator_factory,
-             progress: bool) -> PolicyResult:
+def _timed(label: str, scenario: Scenario, config: PolicyConfig, *, allocator_factory, progress: bool,
+           on_run) -> PolicyResult:
+    started = time.perf_counter()
+    result = simulate_config(scenario, config, allocator_factory=allocator_factory, progress=progress)
+    if on_run is not None:
+        on_run(label, result, time.perf_counter() - started)
+    return result
+
+
+def _best_of(scenario: Scenario, label: str, policy: str, ratios: tuple[float, ...], *, allocator_factory,
+             progress: bool, on_run=None) -> PolicyResult:
     """The policy's best run over ``ratios``. Ratios are tried from the highest
     capacity bound down; one whose bound is below the best mean concurrency found
-    so far, with no fewer rejections, cannot win (no run exceeds its bound) and is
-    not run: its sweep point has ``mean_running`` None."""
+    so far, with no fewer rejections, cannot win (no run's mean exceeds its bound)
+    and is not run: its sweep point has ``mean_running`` None."""
     configs = [policy_config(scenario, policy, r) for r in ratios]
     served = {c.swa_ratio: [r for r in scenario.requests if fits_empty_node(scenario, c, r)] for c in configs}
     bounds = {c.swa_ratio: capacity_bound(scenario, c, served[c.swa_ratio]) for c in configs}
@@ -649,9 +715,10 @@ def _best_of(scenario: Scenario, policy: str, ratios: tuple[float, ...], *, allo
             points[config.swa_ratio] = {"swa_ratio": config.swa_ratio, "rejected": rejected, "retractions": None,
                                         "mean_running": None, "capacity_bound": bounds[config.swa_ratio]}
             continue
-        result = simulate(scenario, policy, config.swa_ratio, allocator_factory=allocator_factory, progress=progress)
+        result = _timed(label, scenario, config, allocator_factory=allocator_factory, progress=progress,
+                        on_run=on_run)
         points[config.swa_ratio] = result.sweep_point()
-        if best is None or _sweep_rank(result) < _sweep_rank(best):
+        if best is None or _rank(result) < _rank(best):
             best = result
     if len(configs) > 1:
         best.sweep = [points[c.swa_ratio] for c in configs]
@@ -660,24 +727,131 @@ def _best_of(scenario: Scenario, policy: str, ratios: tuple[float, ...], *, allo
 
 def run(scenario: Scenario, policies=POLICIES, *, swa_ratio: float | None = None,
         sweep: tuple[float, ...] = SWA_RATIO_SWEEP, allocator_factory=default_allocator,
-        progress: bool = False) -> dict[str, PolicyResult]:
-    """The comparison: one result per planned column (``plan_runs``), by label."""
+        progress: bool = False, on_run=None) -> dict[str, PolicyResult]:
+    """The comparison: one result per planned column (``plan_runs``), by label.
+    ``on_run(label, result, seconds)`` is called after every run, sweeps included."""
     return {
-        planned.label: _best_of(scenario, planned.policy, planned.ratios, allocator_factory=allocator_factory,
-                                progress=progress)
+        planned.label: _best_of(scenario, planned.label, planned.policy, planned.ratios,
+                                allocator_factory=allocator_factory, progress=progress, on_run=on_run)
         for planned in plan_runs(scenario, policies, swa_ratio, sweep)
     }
 
 
-def report(scenario: Scenario, results: dict[str, PolicyResult]) -> dict:
-    """The JSON report: the settings that tell two runs apart, and each column's metrics."""
+def _best_label(results: dict[str, PolicyResult], policies) -> str | None:
+    """The best column of these policies; of two alike (concurrency within 0.1%), the
+    one that receives less KV."""
+    def rank(label):
+        r = results[label]
+        return (r.rejected, -round(r.mean_running, 1), r.retractions, r.transfer_gib)
+
+    labels = [label for label, r in results.items() if r.policy in policies]
+    return min(labels, key=rank) if labels else None
+
+
+def conclusion(results: dict[str, PolicyResult]) -> dict | None:
+    """The best column against ``full``: its concurrency, the transfer it saves and the
+    SWA ratio to give SGLang. None without ``full`` or without another column."""
+    best = _best_label(results, EVICTING)
+    if "full" not in results or best is None:
+        return None
+    b, f = results[best], results["full"]
     return {
+        "best": best,
+        "swa_ratio": b.swa_ratio,
+        "mean_running": b.mean_running,
+        "full_mean_running": f.mean_running,
+        "concurrency_vs_full": b.mean_running / f.mean_running if f.mean_running else None,
+        "transfer_gib": b.transfer_gib,
+        "full_transfer_gib": f.transfer_gib,
+        "transfer_saved": 1 - b.transfer_gib / f.transfer_gib if f.transfer_gib else 0.0,
+        "queue_wait_p50_s": b.queue_wait_p50_s,
+        "full_queue_wait_p50_s": f.queue_wait_p50_s,
+        "sglang_flag": f"--swa-full-tokens-ratio {b.swa_ratio:g}",
+    }
+
+
+def interval_comparison(scenario: Scenario, results: dict[str, PolicyResult], *,
+                        allocator_factory=default_allocator, progress: bool = False, on_run=None) -> dict | None:
+    """What eviction every step (interval 1) buys over the scenario's interval (over
+    SGLang's 128 when the scenario's is 1): ``tail`` (what SGLang's decode node does:
+    SWA KV for the window tail only, which its request-cap sizing assumes) on nodes that
+    SGLang sizes for as many running requests as the best ``tail`` column reached, one
+    per interval (``sglang_request_cap_config``). None without a ``tail`` column."""
+    best = _best_label(results, ("tail",))
+    if best is None:
+        return None
+    policy, max_running = results[best].policy, results[best].max_running
+    other = scenario.eviction_interval if scenario.eviction_interval > 1 else SGLANG_DEFAULT_EVICTION_INTERVAL
+    out = {"policy": policy, "max_running_requests": max_running, "intervals": {}}
+    for interval in (1, other):
+        at = replace(scenario, eviction_interval=interval)
+        try:
+            config = sglang_request_cap_config(at, policy, max_running, interval)
+        except SimulationError as e:
+            return {**out, "not_run": str(e)}
+        r = _timed(f"{policy} interval {interval}", at, config, allocator_factory=allocator_factory,
+                   progress=progress, on_run=on_run)
+        cap = sglang_swa_request_cap(scenario.model.window, scenario.page_size, interval)
+        out["intervals"][str(interval)] = {
+            "swa_tokens_per_request": cap,
+            "swa_pages_per_request": cap / scenario.page_size,
+            "pool_full_pages": r.pool_full_pages,
+            "pool_swa_pages": r.pool_swa_pages,
+            "rejected": r.rejected,
+            "mean_running": r.mean_running,
+            "max_swa_pages_per_request": r.max_swa_pages_per_request,
+            "queue_wait_p50_s": r.queue_wait_p50_s,
+        }
+    return out
+
+
+# What each row of the table and of the JSON's per-column metrics means.
+ROW_DESCRIPTIONS = {
+    "swa_ratio": "SWA pool tokens per full pool token (SGLang's --swa-full-tokens-ratio)",
+    "pool_full_pages": "pages of the full-attention pool",
+    "pool_swa_pages": "pages of the SWA pool",
+    "rejected": "requests that cannot run even on an empty node of this column",
+    "completed": "requests served to their last token",
+    "retractions": "running requests pushed back to the queue when a decode step found no room",
+    "retracted_tokens": "tokens those requests held, to be transferred or recomputed again",
+    "retracted_gib": "the KV bytes of those tokens, GiB",
+    "transfer_gib": "KV the prefill node sends to this node, GiB, resumed requests included",
+    "max_running": "most requests decoding in one step",
+    "mean_running": "requests decoding per step, on average over the run",
+    "capacity_bound": "the highest mean_running the pools allow: pool pages over the pages a running request "
+                      "holds at least (single steps can exceed it, the mean cannot)",
+    "bound_reached": "mean_running / capacity_bound",
+    "peak_full_pages": "most full pool pages in use at once",
+    "peak_swa_pages": "most SWA pool pages in use at once",
+    "max_swa_pages_per_request": "most SWA pages one request held",
+    "queue_wait_p50_steps": "median wait of a request in the queue, decode steps",
+    "queue_wait_p50_s": "the same in simulated seconds (steps x step time)",
+    "queue_wait_p99_steps": "99th percentile of the wait, decode steps",
+    "queue_wait_p99_s": "the same in simulated seconds",
+    "steps": "decode steps from the first arrival to the last completion",
+    "alloc_us_per_step_median": "median wall time of the allocator calls of one step, microseconds",
+    "swa_ratio_sweep": "the ratios tried for this column: mean_running null marks a ratio not run because its "
+                       "capacity_bound is below the best mean_running already found, so it cannot win",
+}
+SWEEP_NOTE = ("not run: a ratio whose capacity bound is below the best mean_running found so far "
+              "cannot win (no run's mean exceeds its bound), so it is skipped")
+
+
+def report(scenario: Scenario, results: dict[str, PolicyResult], intervals: dict | None = None) -> dict:
+    """The JSON report: the swa_ext version, the settings and model facts that tell two
+    runs apart, each column's metrics, what each metric means and the conclusion."""
+    from swa_ext._version import __version__
+
+    m = scenario.model
+    return {
+        "swa_ext_version": __version__,
         "config": {
-            "model": scenario.model.name,
+            "model": m.name,
             "trace": scenario.trace,
             "page_size": scenario.page_size,
             "kv_memory_gib": scenario.kv_memory_gib,
             "swa_ratio": {label: r.swa_ratio for label, r in results.items()},
+            "eviction_interval": scenario.eviction_interval,
             "time_scale": scenario.time_scale,
             "step_ms": scenario.step_ms,
             "reserved_decode_tokens": scenario.reserved_decode_tokens,
@@ -686,11 +860,25 @@ def report(scenario: Scenario, results: dict[str, PolicyResult]) -> dict:
             "skipped_over_context": scenario.skipped_over_context,
             "skipped_no_output": scenario.skipped_no_output,
         },
+        "model": {
+            "window": m.window,
+            "swa_layers": m.swa_layers,
+            "full_layers": m.full_layers,
+            "kv_heads": m.kv_heads,
+            "head_dim": m.head_dim,
+            "context_len": m.context_len,
+            "full_bytes_per_token": m.full_bytes_per_token,
+            "swa_bytes_per_token": m.swa_bytes_per_token,
+        },
         "policies": {label: r.summary() for label, r in results.items()},
+        "rows": ROW_DESCRIPTIONS,
+        "conclusion": conclusion(results),
+        "eviction_interval_comparison": intervals,
     }
 
 
-_FORMATS = {"swa_ratio": ".3f", "retracted_gib": ".2f", "transfer_gib": ".1f", "bound_reached": ".2f"}
+_FORMATS = {"swa_ratio": ".3f", "retracted_gib": ".2f", "transfer_gib": ".1f", "bound_reached": ".2f",
+            "queue_wait_p50_s": ".2f", "queue_wait_p99_s": ".2f"}
 
 
 def _cell(key: str, value) -> str:
@@ -715,7 +903,7 @@ def format_table(scenario: Scenario, results: dict[str, PolicyResult]) -> str:
         f"trace {scenario.trace}: {len(scenario.requests)} requests replayed "
         f"({scenario.skipped_over_context} over context and {scenario.skipped_no_output} without output skipped); "
         f"step {scenario.step_ms:g} ms, time scale {scenario.time_scale:g}, "
-        f"{scenario.reserved_decode_tokens} reserved decode tokens",
+        f"{scenario.reserved_decode_tokens} reserved decode tokens, eviction interval {scenario.eviction_interval}",
     ]
     labels = list(results)
     keys = PolicyResult.SUMMARY_KEYS
@@ -727,51 +915,99 @@ def format_table(scenario: Scenario, results: dict[str, PolicyResult]) -> str:
     lines.append(" " * name_w + "".join(f"{label:>{col_w[label]}}" for label in labels))
     for row, key in enumerate(keys):
         lines.append(f"{key:<{name_w}}" + "".join(f"{cells[label][row]:>{col_w[label]}}" for label in labels))
+    skipped = False
     for label, r in results.items():
         if r.sweep:
             points = ", ".join(_sweep_cell(p) for p in r.sweep)
             lines.append(f"\n{label} SWA ratio sweep (mean_running): {points}; best {r.swa_ratio:g}")
+            skipped |= any(p["mean_running"] is None for p in r.sweep)
+    if skipped:
+        lines.append(f"({SWEEP_NOTE}.)")
+    return "\n".join(lines)
+
+
+def format_conclusion(scenario: Scenario, results: dict[str, PolicyResult], intervals: dict | None) -> str:
+    """The result in a few lines: the best column against ``full`` and what interval 1 buys."""
+    lines = []
+    c = conclusion(results)
+    if c is not None:
+        times = f"{c['concurrency_vs_full']:.2f} times" if c["concurrency_vs_full"] else "against"
+        lines.append(
+            f"conclusion: {c['best']} at SWA ratio {c['swa_ratio']:g} runs {c['mean_running']:.1f} requests at once "
+            f"on average, {times} full's {c['full_mean_running']:.1f}; it receives {c['transfer_gib']:.1f} GiB of KV "
+            f"instead of {c['full_transfer_gib']:.1f} ({c['transfer_saved']:.0%} less), and a request waits "
+            f"{c['queue_wait_p50_s']:.1f} s instead of {c['full_queue_wait_p50_s']:.1f} s (median). "
+            f"In SGLang: {c['sglang_flag']}.")
+    if intervals is not None:
+        if "not_run" in intervals:
+            lines.append(f"eviction interval: not compared ({intervals['not_run']})")
+        else:
+            (one, a), (other, b) = intervals["intervals"].items()
+            lines.append(
+                f"eviction interval {one} instead of {other} ({intervals['policy']}, SWA pool sized as SGLang sizes "
+                f"it for {intervals['max_running_requests']} running requests): {a['swa_tokens_per_request']} "
+                f"instead of {b['swa_tokens_per_request']} SWA tokens a request ({a['swa_pages_per_request']:.2f} "
+                f"instead of {b['swa_pages_per_request']:.2f} pages), a full pool of {a['pool_full_pages']} instead of "
+                f"{b['pool_full_pages']} pages, mean_running {a['mean_running']:.1f} instead of "
+                f"{b['mean_running']:.1f}, median wait {a['queue_wait_p50_s']:.1f} s instead of "
+                f"{b['queue_wait_p50_s']:.1f} s.")
     return "\n".join(lines)
 
 
 def plot(scenario: Scenario, results: dict[str, PolicyResult], path: str) -> None:
-    """Running requests (with each policy's capacity bound) and KV memory in use on
-    each pool over simulated time, for the columns without a pinned default ratio."""
+    """Running requests (with each policy's mean and capacity bound), the full pool in
+    use (GiB) and each SWA pool's use as a share of its size, over simulated time, for
+    the columns without a pinned default ratio. The format follows ``path``'s suffix."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     ps = scenario.page_size
-    page_gib = {
-        "full": scenario.model.full_bytes_per_token * ps / GIB,
-        "swa": scenario.model.swa_bytes_per_token * ps / GIB,
-    }
+    full_page_gib = scenario.model.full_bytes_per_token * ps / GIB
+    swa_page_gib = scenario.model.swa_bytes_per_token * ps / GIB
     shown = {label: r for label, r in results.items() if label in POLICIES}
     # Each policy its own colour and dash, and evict drawn above tail, so neither hides the other.
     styles = {"full": ("tab:gray", "-", 2), "tail": ("tab:blue", "-", 2), "evict": ("tab:orange", (0, (3, 3)), 3)}
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
     for label, r in shown.items():
         color, dash, z = styles[label]
         style = {"color": color, "ls": dash, "lw": 1.0, "zorder": z}
         t = [s * scenario.step_ms / 1000.0 for s in r.timeline_step]
-        axes[0].plot(t, r.timeline_running, label=f"{label} (SWA ratio {r.swa_ratio:g})", **style)
+        axes[0].plot(t, r.timeline_running, label=f"{label} (SWA ratio {r.swa_ratio:g}, mean {r.mean_running:.0f})",
+                     **style)
         axes[0].axhline(r.capacity_bound, color=color, ls=":", lw=1.2)
-        axes[1].plot(t, [p * page_gib["full"] for p in r.timeline_full_pages], **style)
-        axes[1].axhline(r.pool_full_pages * page_gib["full"], color=color, ls=":", lw=0.8)
-        axes[2].plot(t, [p * page_gib["swa"] for p in r.timeline_swa_pages], **style)
-        axes[2].axhline(r.pool_swa_pages * page_gib["swa"], color=color, ls=":", lw=0.8)
-    axes[0].set_ylabel("running requests\n(dotted: bound of the mean)")
-    axes[1].set_ylabel("full pool in use (GiB)\n(dotted: pool size)")
-    axes[2].set_ylabel("SWA pool in use (GiB)\n(dotted: pool size)")
+        axes[1].plot(t, [p * full_page_gib for p in r.timeline_full_pages], **style)
+        axes[1].axhline(r.pool_full_pages * full_page_gib, color=color, ls=":", lw=0.8)
+        pool = max(r.pool_swa_pages, 1)
+        axes[2].plot(t, [100.0 * p / pool for p in r.timeline_swa_pages],
+                     label=f"{label}: pool {r.pool_swa_pages * swa_page_gib:.1f} GiB", **style)
+    bound = Line2D([], [], color="black", ls=":", lw=1.2)
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[0].legend(handles + [bound], labels + ["dotted: bound of the mean (one step may be above it)"],
+                   loc="upper right", fontsize="small")
+    axes[1].legend([Line2D([], [], color="black", ls=":", lw=0.8)], ["dotted: pool size"], loc="upper right",
+                   fontsize="small")
+    axes[2].legend(loc="upper right", fontsize="small")
+    axes[0].set_ylabel("running requests")
+    axes[1].set_ylabel("full pool in use (GiB)")
+    axes[2].set_ylabel("SWA pool in use\n(% of each policy's pool)")
     axes[2].set_xlabel("simulated time (s)")
-    axes[0].legend(loc="upper right", fontsize="small")
     ratios = ", ".join(f"{label} {r.swa_ratio:g}" for label, r in shown.items())
-    axes[0].set_title(
-        f"{scenario.model.name} on {Path(scenario.trace).name}, {len(scenario.requests)} requests, "
-        f"{scenario.kv_memory_gib:g} GiB KV, page {ps}, time scale {scenario.time_scale:g}\nSWA ratio: {ratios}",
-        fontsize="medium",
-    )
+    title = (f"{scenario.model.name} on {Path(scenario.trace).name}, {len(scenario.requests)} requests, "
+             f"{scenario.kv_memory_gib:g} GiB KV, page {ps}, time scale {scenario.time_scale:g}\nSWA ratio: {ratios}")
+    if _coincide(shown.get("evict"), shown.get("tail")):
+        title += ("\nevict and tail coincide: evict holds a whole prompt on the SWA pool only until its first\n"
+                  "eviction, which these prompts leave room for, so both pick the same ratio and run alike")
+    axes[0].set_title(title, fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _coincide(a: PolicyResult | None, b: PolicyResult | None) -> bool:
+    """Whether two runs draw nearly the same lines: same ratio, mean concurrency within 1%."""
+    if a is None or b is None or a.swa_ratio != b.swa_ratio:
+        return False
+    return abs(a.mean_running - b.mean_running) <= 0.01 * max(a.mean_running, b.mean_running)

@@ -1,6 +1,7 @@
 """The swa-ext command line: simulate's outputs, bad input, --version, bench dispatch."""
 
 import json
+import signal
 import subprocess
 import sys
 import types
@@ -20,12 +21,24 @@ def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     assert cli.main(["simulate", *SMALL, "--json", str(out_json), "--plot", str(out_png)]) == 0
     table = capsys.readouterr().out
+    # The files written, named last; the conclusion and the interval line before them.
+    assert table.splitlines()[-2:] == [f"wrote {out_json}", f"wrote {out_png}"]
+    assert "\nconclusion: " in table and "In SGLang: --swa-full-tokens-ratio " in table
+    assert "eviction interval 1 instead of 128" in table and cli.EVICTION_COST_DOC in table
+    # Without a terminal, one progress line per run (the sweeps' and the interval's included).
+    runs = [line for line in table.splitlines() if line.startswith("run ")]
+    assert len(runs) >= 7 and any(line.startswith("run tail interval 1 at") for line in runs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png"]
     header = next(line for line in table.splitlines() if line.split() == COLUMNS)
     rows = table.splitlines()[table.splitlines().index(header) + 1:][: len(simulator.PolicyResult.SUMMARY_KEYS)]
     assert [row.split()[0] for row in rows] == list(simulator.PolicyResult.SUMMARY_KEYS)
     assert "evict SWA ratio sweep" in table and "tail SWA ratio sweep" in table
     report = json.loads(out_json.read_text())
-    assert list(report) == ["config", "policies"]
+    assert report["swa_ext_version"] == swa_ext.__version__
+    assert report["model"]["window"] == 128 and report["model"]["swa_bytes_per_token"] > 0
+    assert "null" in report["rows"]["swa_ratio_sweep"] and "seconds" in report["rows"]["queue_wait_p50_s"]
+    assert report["conclusion"]["best"] in ("evict", "tail")
+    assert report["eviction_interval_comparison"]["intervals"]["1"]["swa_tokens_per_request"] == 128 + 1 + 16 + 16
     assert report["config"]["trace"] == str(DATA / "azure_small.csv")
     assert report["config"]["swa_ratio"]["evict@0.8"] == report["config"]["swa_ratio"]["tail@0.8"] == 0.8
     assert list(report["policies"]) == COLUMNS
@@ -72,6 +85,11 @@ BAD_SIMULATE_ARGS = [
     (lambda d: ["--step-ms", "inf"], "positive finite"),
     (lambda d: ["--step-ms", "nan"], "positive finite"),
     (lambda d: ["--plot", str(d / "x.txt")], "name it *.png"),
+    (lambda d: ["--json", "/proc/x.json"], "not writable"),
+    (lambda d: ["--json", str(d / "part.json"), "--plot", "/sys/x.png"], "not writable"),
+    (lambda d: ["--plot", "/proc/self/x.jpg"], "not writable"),
+    (lambda d: ["--json", "/dev/null"], "not a regular file"),
+    (lambda d: ["--eviction-interval", "0"], "positive integer"),
     (lambda d: ["--json", str(d)], "is a directory"),
     (lambda d: ["--json", str(d / "no" / "r.json")], "no directory"),
     (lambda d: ["--json", ""], "empty path"),
@@ -91,11 +109,14 @@ BAD_SIMULATE_ARGS = [
 
 @pytest.mark.parametrize("make_args, fragment", BAD_SIMULATE_ARGS)
 def test_bad_simulate_value_is_one_line_exit_2_before_the_run(make_args, fragment, tmp_path, capsys, monkeypatch):
+    """Checked by trying, so it holds for root too (the tests run as root in CI): exit
+    status 2, one stderr line, nothing on stdout and nothing left behind."""
     def no_run(*args, **kwargs):
         raise AssertionError("the run started")
 
     monkeypatch.setattr(simulator.DecodeNode, "run", no_run)
     args = make_args(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
     base = [] if "--trace" in args else SMALL[:2]
     assert cli.main(["simulate", *base, *args]) == 2
     captured = capsys.readouterr()
@@ -103,6 +124,63 @@ def test_bad_simulate_value_is_one_line_exit_2_before_the_run(make_args, fragmen
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("swa-ext simulate: error:")
     assert fragment in lines[0]
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_plot_formats_follow_the_suffix(tmp_path, capsys):
+    """One rule for simulate and bench: the suffix names any format matplotlib writes."""
+    jpg = tmp_path / "r.jpg"
+    assert cli.main(["simulate", *SMALL, "--policy", "tail", "--swa-ratio", "0.5", "--plot", str(jpg)]) == 0
+    assert jpg.read_bytes()[:2] == b"\xff\xd8"
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {jpg}"
+
+
+def test_an_existing_output_is_kept_until_the_run_succeeds(tmp_path, capsys, monkeypatch):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    out_json.write_text("old")
+
+    def failing_plot(scenario, results, path):
+        Path(path).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(simulator, "plot", failing_plot)
+    args = ["simulate", *SMALL, "--policy", "full", "--json", str(out_json), "--plot", str(out_png)]
+    assert cli.main(args) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    # The old report stays, the new one is not half there, and no temporary file is left.
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"] and out_json.read_text() == "old"
+
+
+def _interrupted(args, tmp_path, ready: str, stream: str):
+    """Runs ``python -m swa_ext ARGS`` without a terminal, sends SIGINT once a line
+    starting with ``ready`` appears on ``stream``, and returns (exit status, stderr lines)."""
+    proc = subprocess.Popen([sys.executable, "-m", "swa_ext", *args], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    watched = proc.stdout if stream == "stdout" else proc.stderr
+    for line in watched:
+        if line.startswith(ready):
+            break
+    else:
+        raise AssertionError(f"the run ended before {ready!r}: {proc.wait()}")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err.splitlines()
+
+
+def test_ctrl_c_in_simulate_is_one_line_status_130_and_leaves_nothing(tmp_path):
+    code, err = _interrupted(["simulate", "--max-requests", "3000", "--json", "r.json", "--plot", "r.png"],
+                             tmp_path, "run full", "stdout")
+    assert code == cli.INTERRUPTED == 130
+    assert err == ["swa-ext: interrupted"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_in_bench_is_one_line_status_130_and_leaves_nothing(tmp_path):
+    code, err = _interrupted(["bench", "--no-sglang", "--ops", "alloc_decode", "--seconds-per-case", "0.5",
+                              "--json", "b.json", "--plot", "b.jpg"], tmp_path, "[1/", "stderr")
+    assert code == 130
+    assert err[-1] == "swa-ext: interrupted" and not any("Traceback" in line for line in err)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("args", [["nosuchcommand"], []])

@@ -1,5 +1,7 @@
-"""The README's examples stay true: every ```python block runs, as written, and the
-install error it quotes is the one setup.py prints."""
+"""The README's and the doc pages' examples stay true: every ```python block of
+README.md and docs/*.md runs, as written; the install error the README quotes is the
+one setup.py prints; every link to a local file points at one (pages others add are
+listed as expected)."""
 import ast
 import re
 from pathlib import Path
@@ -7,13 +9,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def fenced_blocks(language: str):
+def fenced_blocks(language: str, page: Path = ROOT / "README.md"):
     """(line number, code) of each block fenced as ```<language> (```  alone: language "")."""
     blocks, info, start, body = [], None, 0, []
-    for number, text in enumerate(README.splitlines(), start=1):
+    for number, text in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
         if info is None and text.startswith("```"):
             info, start, body = text[3:].strip(), number + 1, []
         elif info is not None and text.strip() == "```":
@@ -22,24 +24,50 @@ def fenced_blocks(language: str):
             info = None
         elif info is not None:
             body.append(text)
-    assert info is None, "README.md: a code fence is not closed"
+    assert info is None, f"{page.name}: a code fence is not closed"
     return blocks
 
 
-PYTHON_BLOCKS = fenced_blocks("python")
+PYTHON_BLOCKS = [(f"{page.relative_to(ROOT)}:{line}", code) for page in PAGES
+                 for line, code in fenced_blocks("python", page)]
 
 
-def test_the_readme_has_its_examples():
-    """The allocator example and the decode lifecycle, at least (so the test below
-    cannot pass by finding none)."""
-    assert len(PYTHON_BLOCKS) >= 2
-    assert any("alloc_decode" in code and "pre_alloc" in code and "release" in code for _, code in PYTHON_BLOCKS)
+def test_the_pages_have_their_examples():
+    """The README's first call and the lifecycle in docs/allocator.md, at least (so the
+    test below cannot pass by finding none)."""
+    assert any(where.startswith("README.md:") for where, _ in PYTHON_BLOCKS)
+    assert any(where.startswith("docs/allocator.md:") and "alloc_decode" in code and "pre_alloc" in code
+               and "release" in code for where, code in PYTHON_BLOCKS)
 
 
-@pytest.mark.parametrize("line,code", PYTHON_BLOCKS, ids=[f"README.md:{line}" for line, _ in PYTHON_BLOCKS])
-def test_python_block_runs(line, code, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where,code", PYTHON_BLOCKS, ids=[where for where, _ in PYTHON_BLOCKS])
+def test_python_block_runs(where, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, where, "exec"), {"__name__": "__readme__"})
+
+
+# Pages linked from the README that other parts of the project add.
+ADDED_ELSEWHERE = {"docs/pd-deployment.md", "docs/sglang-eviction.md"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_local_links_point_at_files(page):
+    text = page.read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if "://" in target:
+            continue
+        path = (page.parent / target).resolve()
+        if str(path.relative_to(ROOT)) in ADDED_ELSEWHERE:
+            continue
+        assert path.exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_the_readme_links_every_doc_page():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+    for added in ADDED_ELSEWHERE:
+        assert f"({added})" in readme
 
 
 def _setup_constant(name: str) -> str:

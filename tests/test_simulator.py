@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+import swa_ext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -109,8 +111,8 @@ def test_uncongested_trace_invariants():
     assert peaks["tail"].peak_full_pages == peaks["evict"].peak_full_pages == peaks["full"].peak_full_pages
     per_req = [peaks[p].max_swa_pages_per_request for p in ("tail", "evict", "full")]
     assert per_req == sorted(per_req)
-    # The tail policy holds at most a window and two pages of SWA KV per request.
-    assert peaks["tail"].max_swa_pages_per_request <= simulator.tail_swa_pages_bound(128, 16)
+    # The tail policy holds at most a window, the eviction interval and a page of SWA KV per request.
+    assert peaks["tail"].max_swa_pages_per_request <= simulator.tail_swa_pages_bound(128, 16, 128)
     # tail receives SWA KV for the window tail only; the others for the whole prompt.
     assert peaks["tail"].transfer_gib < peaks["evict"].transfer_gib == peaks["full"].transfer_gib
 
@@ -276,7 +278,8 @@ def test_budget_too_small_for_one_request():
 
 
 @pytest.mark.parametrize("kwargs", [{"kv_memory_gib": float("inf")}, {"time_scale": float("nan")},
-                                    {"step_ms": 0.0}, {"page_size": 0}, {"reserved_decode_tokens": -1}])
+                                    {"step_ms": 0.0}, {"page_size": 0}, {"reserved_decode_tokens": -1},
+                                    {"eviction_interval": 0}])
 def test_bad_settings(kwargs):
     with pytest.raises(simulator.SimulationError):
         plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), **kwargs)
@@ -287,7 +290,19 @@ def test_report_has_config_and_policies():
                              page_size=16, kv_memory_gib=1.0)
     results = simulator.run(scenario, swa_ratio=0.4)
     report = json.loads(json.dumps(simulator.report(scenario, results)))
-    assert list(report) == ["config", "policies"]
+    assert list(report) == ["swa_ext_version", "config", "model", "policies", "rows", "conclusion",
+                            "eviction_interval_comparison"]
+    assert report["swa_ext_version"] == swa_ext.__version__
+    model = get_model("gpt-oss-120b")
+    assert report["model"] == {"window": 128, "swa_layers": 18, "full_layers": 18, "kv_heads": 8, "head_dim": 64,
+                               "context_len": 131072, "full_bytes_per_token": model.full_bytes_per_token,
+                               "swa_bytes_per_token": model.swa_bytes_per_token}
+    assert model.full_bytes_per_token == 2 * 18 * 8 * 64 * 2
+    # Every metric and the sweep are described.
+    assert set(report["rows"]) == {*simulator.PolicyResult.SUMMARY_KEYS, "swa_ratio_sweep"}
+    assert all(len(text.split()) >= 3 for text in report["rows"].values())
+    assert report["conclusion"]["sglang_flag"] == "--swa-full-tokens-ratio 0.4"
+    assert report["eviction_interval_comparison"] is None  # not computed here
     config = report["config"]
     assert config["model"] == "gpt-oss-120b" and config["trace"] == "mooncake_small.jsonl"
     assert config["page_size"] == 16 and config["kv_memory_gib"] == 1.0
@@ -380,3 +395,53 @@ def test_missing_trace(tmp_path):
         load_trace(tmp_path / "absent.csv")
     with pytest.raises(TraceError, match="empty"):
         load_trace("")
+
+
+@pytest.mark.parametrize("interval", [1, 8, 128])
+def test_eviction_interval_bounds_the_swa_a_request_holds(interval):
+    """A request holds up to the interval's worth of dead SWA KV beyond its window, and
+    no more; at interval 1 the bound is a window and two pages."""
+    scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=4.0,
+                             eviction_interval=interval)
+    results = {p: run_recorded(scenario, p) for p in ("evict", "tail")}
+    check_invariants(scenario, results)
+    held = results["tail"][0].max_swa_pages_per_request  # evict holds a whole prompt until its first eviction
+    assert held <= simulator.tail_swa_pages_bound(128, 16, interval)
+    if interval > 16:
+        # More than eviction every step would allow: the interval is modelled.
+        assert held > simulator.tail_swa_pages_bound(128, 16, 1)
+    assert simulator.tail_swa_pages_bound(128, 16, 1) == 128 // 16 + 2
+
+
+def test_sglang_swa_pool_sizing():
+    """SGLang 0.5.23's compute_swa_request_cap for gpt-oss-20b at page 64: window, interval,
+    a page of padding and a page of decode room per request."""
+    assert simulator.sglang_swa_request_cap(128, 64, 128) == 384
+    assert simulator.sglang_swa_request_cap(128, 64, 1) == 257
+    scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=64, kv_memory_gib=4.0)
+    model = scenario.model
+    for interval in (1, 128):
+        config = simulator.sglang_request_cap_config(scenario, "tail", 10, interval)
+        assert config.size_swa == -(-simulator.sglang_swa_request_cap(128, 64, interval) * 10 // 64) * 64
+        used = config.size_swa * model.swa_bytes_per_token + (config.size_full + 64) * model.full_bytes_per_token
+        assert used <= 4.0 * simulator.GIB < used + 64 * model.full_bytes_per_token
+        result = simulator.simulate_config(scenario, config)
+        assert result.max_running <= 10 and result.completed == len(scenario.requests)
+    with pytest.raises(simulator.SimulationError):
+        simulator.sglang_request_cap_config(scenario, "tail", 10**7, 128)
+
+
+def test_interval_comparison_gives_memory_back():
+    scenario = plan_scenario(load_trace(MOONCAKE_LONG, 40), get_model("gpt-oss-20b"), kv_memory_gib=4.0,
+                             time_scale=0.1)
+    results = simulator.run(scenario, ("full", "tail"), swa_ratio=0.1)
+    seen = []
+    out = simulator.interval_comparison(scenario, results, on_run=lambda *a: seen.append(a[0]))
+    assert seen == ["tail interval 1", "tail interval 128"]
+    one, other = out["intervals"]["1"], out["intervals"]["128"]
+    assert out["max_running_requests"] == results["tail"].max_running
+    assert (one["swa_tokens_per_request"], other["swa_tokens_per_request"]) == (257, 384)
+    assert one["pool_swa_pages"] < other["pool_swa_pages"] and one["pool_full_pages"] > other["pool_full_pages"]
+    assert one["mean_running"] >= other["mean_running"] * 0.99
+    text = simulator.format_conclusion(scenario, results, out)
+    assert "eviction interval 1 instead of 128" in text and "--swa-full-tokens-ratio 0.1" in text
