@@ -424,8 +424,8 @@ struct ReleaseOp {
   SWA_HD void operator()(int64_t i) const {
     const int64_t n = device_count != nullptr ? *device_count : count;
     const int64_t* c = pool.ctl_in;
-    // Read before any element of this launch reports (only element 0 does, and only
-    // when every element finds the same n unplaceable).
+    // Element 0 reports only when every element finds n unplaceable, so an element that
+    // reads that report refuses as it would have anyway.
     const bool refused = origin.error[kErrCode] != kNoError;
     const bool placeable = n <= max_count && pool.has_room(count_word(dest), n);
     if (i == 0) {
