@@ -170,3 +170,19 @@ def test_an_allocator_built_elsewhere_gets_one_warning_naming_the_flag(unified, 
     lines = [r.getMessage() for r in caplog.records if "swa_ext" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("swa_ext:") and "_UnifiedAllocator" in lines[0], lines
     assert ("--enable-unified-memory" in lines[0]) == unified
+
+
+def test_the_step_benchmark_runs_and_reports_every_case(tmp_path, capsys):
+    """Smoke sizes; no timing is asserted (the benchmark itself checks the setups agree)."""
+    js = tmp_path / "step.json"
+    assert sglang_step.main(["--requests", "4", "--page-sizes", "16", "--intervals", "1,128", "--steps", "2",
+                             "--warmup", "1", "--json", str(js)]) == 0
+    import json
+
+    doc = json.loads(js.read_text())
+    assert [(r["requests"], r["interval"]) for r in doc["rows"]] == [(4, 1), (4, 128)]
+    for r in doc["rows"]:
+        for setup in sglang_step.SETUPS:
+            assert r[setup]["maybe_evict_swa_us"] > 0 and r[setup]["prepare_for_decode_us"] > 0
+    assert len(doc["interval_pairs"]) == 1
+    assert "| requests | page | interval | setup |" in capsys.readouterr().out
