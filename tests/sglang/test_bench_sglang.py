@@ -83,7 +83,8 @@ def test_no_sglang_leaves_it_out(tmp_path, capsys):
     assert micro.main(["--smoke", "--device", "cpu", "--ops", "free", "--batch-sizes", "4", "--page-sizes", "16",
                        "--no-sglang", "--quiet", "--json", str(js)]) == 0
     captured = capsys.readouterr()
-    assert captured.err == "" and "sglang" not in captured.out
+    report = [line for line in captured.out.splitlines() if not line.startswith("wrote ")]  # paths name the test
+    assert captured.err == "" and f"wrote {js}" in captured.out and not [l for l in report if "sglang" in l.lower()]
     (row,) = json.loads(js.read_text())["rows"]
     assert not row["sglang_measured"] and row["sglang_median_us"] is None
 
