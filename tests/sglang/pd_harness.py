@@ -278,3 +278,9 @@ if __name__ == "__main__":
     assert sys.argv[1] == "engine", sys.argv
     with open(sys.argv[2]) as f:
         run_engine(json.load(f), sys.argv[3])
+
+
+def out_of_window_frees(calls):
+    """Requests whose out-of-window SWA KV a decode node freed: one free_swa_segment each
+    on SGLang's loop, one row of the batched native call each under swa_ext's hook."""
+    return calls.get("free_swa_segment", 0) + calls.get("evict_out_of_window_rows", 0)

@@ -102,10 +102,13 @@ def test_pair_decode_node_served_by_swa_ext_in_lockstep(pair_run):
     served = {call: n - before.get(call, 0) for call, n in calls.items() if isinstance(n, int)}
     assert served["alloc_extend_swa_tail"] == len(PROMPTS), served  # SGLang's decode path: one tail each
     assert served.get("alloc_extend", 0) == 0, served
-    assert served["free_swa_segment"] > 0, served  # out-of-window SWA freed while decoding
+    assert pd_harness.out_of_window_frees(served) > 0, served  # out-of-window SWA freed while decoding
     assert served["free_segment"] == len(PROMPTS), served  # each request released
     for call in ("alloc_extend_swa_tail", "alloc_decode", "free_swa_segment", "free_segment"):
-        assert lockstep[call] == calls[call], call  # each one mirrored on SGLang's allocator
+        if call in calls:
+            assert lockstep[call] == calls[call], call  # each one mirrored on SGLang's allocator
+    # each batched eviction of swa_ext's hook checked against SGLang's own per-request frees
+    assert lockstep.get("maybe_evict_swa", 0) >= calls.get("evict_out_of_window", 0) > 0, (calls, lockstep)
     assert calls["free_after_last_call"] == calls["pool_sizes"]  # both pools whole again
 
 

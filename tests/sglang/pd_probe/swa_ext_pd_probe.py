@@ -78,6 +78,30 @@ def _count_allocator_calls():
         return pools
 
     KVCacheConfigurator._init_pools = init_pools
+    _count_hook_evictions(counts, write)
+
+
+def _count_hook_evictions(counts, write):
+    """swa_ext's scheduler hook frees out-of-window SWA KV for the whole decode batch in
+    one native call (not through the allocator's methods): count the calls and the
+    requests they freed from."""
+    try:
+        from swa_ext import _C
+    except ImportError:  # SGLang's allocator alone: its own loop frees through free_swa_segment
+        return
+    evict = _C.evict_out_of_window
+
+    @functools.wraps(evict)
+    def counted(alloc, req_to_token, rows, *args, **kwargs):
+        result = evict(alloc, req_to_token, rows, *args, **kwargs)
+        with _lock:
+            counts["evict_out_of_window"] = counts.get("evict_out_of_window", 0) + 1
+            counts["evict_out_of_window_rows"] = counts.get("evict_out_of_window_rows", 0) + len(rows)
+            counts["free_after_last_call"] = [alloc.full_available_size(), alloc.swa_available_size()]
+            write()
+        return result
+
+    _C.evict_out_of_window = counted  # the hook looks it up on the module at each call
 
 
 def _measure_sent_bytes():
