@@ -97,7 +97,9 @@ def _count_hook_evictions(counts, write):
         with _lock:
             counts["evict_out_of_window"] = counts.get("evict_out_of_window", 0) + 1
             counts["evict_out_of_window_rows"] = counts.get("evict_out_of_window_rows", 0) + len(rows)
-            counts["free_after_last_call"] = [alloc.full_available_size(), alloc.swa_available_size()]
+            # No size read here: in lockstep the shadow makes SGLang's frees only after this
+            # call returns, and a read now would compare the two halfway. The free group's
+            # end, counted above, records the sizes.
             write()
         return result
 
