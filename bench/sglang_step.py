@@ -19,11 +19,16 @@ request after each (what the forward pass would do), for three setups side by si
 (``Scheduler`` also builds a ``lockstep`` setup, the hook on a lockstep allocator, for
 tests/sglang/test_evict_hook.py.)
 
-The three take turns step by step (alternating, in the same process) on identical
-batches; the table gives medians over the steps of ``maybe_evict_swa``, of the rest of
-the allocation (``alloc_for_decode`` without it) and of the rest of
-``prepare_for_decode``, and the ratios. It also checks, after every step, that the
-three leave the same evicted lengths, available sizes and ``req_to_token`` rows.
+The three take turns on identical batches in the same process, ``--block`` steps a turn
+(8 by default; the order reverses every round), so that drift in the machine's speed
+falls on all three alike. A turn of several steps measures each setup as a running
+scheduler sees it: a scheduler touches its own requests every step, while step-by-step
+turns (``--block 1``) start every step with another setup's requests in the CPU caches,
+which costs the hook (whose time is reading the requests) most. The table gives medians
+over the steps of ``maybe_evict_swa``, of the rest of the allocation (``alloc_for_decode``
+without it) and of the rest of ``prepare_for_decode``, and the ratios. It also checks,
+after every round, that the three leave the same evicted lengths, available sizes and
+``req_to_token`` rows.
 """
 from __future__ import annotations
 
@@ -191,39 +196,47 @@ def _timed_alloc_for_decode():
     return original, times
 
 
-def run_case(num_reqs, page_size, interval, steps, warmup, radix_cache):
-    """Alternating steps of the three setups; medians in µs."""
+def _turns(count, block):
+    """(round, steps in the round) for ``count`` steps a setup taken ``block`` at a time."""
+    return [(r, min(block, count - r * block)) for r in range(-(-count // block))]
+
+
+def run_case(num_reqs, page_size, interval, steps, warmup, radix_cache, block=8, setups=SETUPS):
+    """The setups taking turns, ``block`` steps at a time; medians in µs."""
     from sglang.srt.managers import schedule_batch
 
     os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = str(interval)
-    schedulers = [Scheduler(s, num_reqs, page_size, interval, steps + warmup, radix_cache) for s in SETUPS]
+    schedulers = [Scheduler(s, num_reqs, page_size, interval, steps + warmup, radix_cache) for s in setups]
     original, alloc_times = _timed_alloc_for_decode()
     totals = {s.setup: [] for s in schedulers}
     allocs = {s.setup: [] for s in schedulers}
     # The cyclic collector off while timing (as timeit does): a full collection over the
-    # three setups' requests would land on whichever step happens to allocate then.
+    # setups' requests would land on whichever step happens to allocate then.
     gc.collect()
     gc.disable()
     try:
-        for step in range(steps + warmup):
-            for s in (schedulers if step % 2 == 0 else schedulers[::-1]):
-                del alloc_times[:]
-                total = s.step()
-                if step >= warmup:
-                    totals[s.setup].append(total)
-                    allocs[s.setup].append(alloc_times[0])
+        done = 0
+        for turn, count in _turns(steps + warmup, block):
+            for s in (schedulers if turn % 2 == 0 else schedulers[::-1]):
+                for k in range(count):
+                    del alloc_times[:]
+                    total = s.step()
+                    if done + k >= warmup:
+                        totals[s.setup].append(total)
+                        allocs[s.setup].append(alloc_times[0])
+            done += count
             states = [s.state() for s in schedulers]
             if states[1:] != states[:-1]:
-                raise AssertionError(f"the setups differ after step {step}: {states}")
+                raise AssertionError(f"the setups differ after step {done}: {states}")
             rows = [s.req_to_token_pool.req_to_token for s in schedulers]
-            if not (rows[0].equal(rows[1]) and rows[1].equal(rows[2])):
+            if not all(rows[0].equal(r) for r in rows[1:]):
                 # The allocators hand out the same slots (the drop-in contract).
-                raise AssertionError(f"req_to_token differs after step {step}")
+                raise AssertionError(f"req_to_token differs after step {done}")
     finally:
         gc.enable()
         schedule_batch.alloc_for_decode = original
     row = {"requests": num_reqs, "page_size": page_size, "interval": interval, "radix_cache": radix_cache,
-           "steps": steps}
+           "steps": steps, "block": block}
     for s in schedulers:
         evict = s.evict_us[warmup:]
         med = statistics.median
@@ -234,10 +247,10 @@ def run_case(num_reqs, page_size, interval, steps, warmup, radix_cache):
     return row
 
 
-def run_interval_pair(num_reqs, page_size, steps, warmup, radix_cache, fast=1, slow=128):
+def run_interval_pair(num_reqs, page_size, steps, warmup, radix_cache, fast=1, slow=128, block=8):
     """The hook at interval ``fast`` against SGLang's loop and allocator at ``slow``,
-    alternating step by step in one process: what evicting every step costs next to
-    what SGLang pays for its default."""
+    taking turns ``block`` steps at a time in one process: what evicting every step costs
+    next to what SGLang pays for its default."""
     from sglang.srt.managers import schedule_batch
 
     pair = [(fast, Scheduler("hook", num_reqs, page_size, fast, steps + warmup, radix_cache)),
@@ -246,16 +259,17 @@ def run_interval_pair(num_reqs, page_size, steps, warmup, radix_cache, fast=1, s
     gc.collect()
     gc.disable()
     try:
-        for step in range(steps + warmup):
-            for interval, s in (pair if step % 2 == 0 else pair[::-1]):
+        for turn, count in _turns(steps + warmup, block):
+            for interval, s in (pair if turn % 2 == 0 else pair[::-1]):
                 os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = str(interval)
-                s.step()
+                for _ in range(count):
+                    s.step()
     finally:
         gc.enable()
         schedule_batch.alloc_for_decode = original
     hook, sglang = (statistics.median(s.evict_us[warmup:]) for _, s in pair)
     return {"requests": num_reqs, "page_size": page_size, "hook_interval": fast, "sglang_interval": slow,
-            "hook_us": hook, "sglang_us": sglang}
+            "block": block, "hook_us": hook, "sglang_us": sglang}
 
 
 def to_markdown(rows):
@@ -264,7 +278,7 @@ def to_markdown(rows):
              "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ref = r["sglang"]
-        for s in SETUPS:
+        for s in (setup for setup in SETUPS if setup in r):
             m = r[s]
             lines.append(
                 f"| {r['requests']} | {r['page_size']} | {r['interval']} | {s} | {m['maybe_evict_swa_us']:.1f} "
@@ -273,6 +287,13 @@ def to_markdown(rows):
                 f"| {ref['maybe_evict_swa_us'] / m['maybe_evict_swa_us']:.1f}x "
                 f"| {ref['prepare_for_decode_us'] / m['prepare_for_decode_us']:.2f}x |")
     return "\n".join(lines)
+
+
+def _setups(text):
+    setups = text.split(",")
+    if setups[0] != "sglang" or not set(setups) <= set(SETUPS) or len(set(setups)) != len(setups):
+        raise argparse.ArgumentTypeError(f"expected sglang first, then any of {', '.join(SETUPS[1:])}")
+    return setups
 
 
 def _ints(text):
@@ -286,6 +307,10 @@ def main(argv=None):
     parser.add_argument("--intervals", type=_ints, default=[1, 128])
     parser.add_argument("--steps", type=int, default=64, help="measured steps a case (default 64)")
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--setups", type=_setups, default=list(SETUPS),
+                        help="which setups take turns, sglang first (default sglang,swa_ext,hook)")
+    parser.add_argument("--block", type=int, default=8,
+                        help="steps a setup runs before the next takes its turn (default 8; 1: step by step)")
     parser.add_argument("--no-radix", action="store_true", help="the radix cache disabled (--disable-radix-cache)")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
@@ -296,16 +321,18 @@ def main(argv=None):
         _publish_server_args(page_size)
         for num_reqs in args.requests:
             for interval in args.intervals:
-                row = run_case(num_reqs, page_size, interval, args.steps, args.warmup, not args.no_radix)
+                row = run_case(num_reqs, page_size, interval, args.steps, args.warmup, not args.no_radix, args.block,
+                               args.setups)
                 rows.append(row)
                 print(f"[{num_reqs} requests, page {page_size}, interval {interval}] maybe_evict_swa µs: "
-                      + ", ".join(f"{s} {row[s]['maybe_evict_swa_us']:.1f}" for s in SETUPS), file=sys.stderr)
+                      + ", ".join(f"{s} {row[s]['maybe_evict_swa_us']:.1f}" for s in args.setups), file=sys.stderr)
     pairs = []
     if 1 in args.intervals and 128 in args.intervals:
         for page_size in args.page_sizes:
             _publish_server_args(page_size)
             for num_reqs in args.requests:
-                pairs.append(run_interval_pair(num_reqs, page_size, args.steps, args.warmup, not args.no_radix))
+                pairs.append(run_interval_pair(num_reqs, page_size, args.steps, args.warmup, not args.no_radix,
+                                               block=args.block))
     md = to_markdown(rows)
     if pairs:
         md += ("\n\n| requests | page | hook µs, interval 1 | SGLang's loop µs, interval 128 | ratio |\n"

@@ -6,7 +6,8 @@
 #   env        versions (nvcc, torch, GPU, compute-sanitizer)         -> env.txt
 #   build      setup.py build_ext --inplace; cuobjdump must list sm_90 -> build.log (+ env.txt)
 #   smoke      one golden trace on cuda, CUDA_LAUNCH_BLOCKING=1, 60 s  -> smoke.log
-#   tests      the cuda parameters of the golden, cuda, bad-input and misuse tests -> tests.log
+#   tests      the cuda parameters of the golden, cuda, bad-input, misuse and SGLang batch
+#              reader tests                                          -> tests.log
 #   layer      tests/test_cuda_layer.py: a pool past one grid pass against the CPU core, a
 #              serving lifecycle on a side stream, launch errors, faults, GIL, uploads -> layer.log
 #   bench      swa-ext bench on cuda (batch 1/256/2048, page 1/64, 0.25 s a case); every
@@ -133,12 +134,14 @@ fi
 # Node ids whose parameters name the cuda backend, one pytest collection for all files.
 files=(tests/test_golden.py tests/test_cuda.py tests/test_bad_input.py tests/test_cuda_layer.py)
 [[ -f tests/test_misuse.py ]] && files+=(tests/test_misuse.py)
+[[ -f tests/test_sglang_reader.py ]] && files+=(tests/test_sglang_reader.py)
 collected="$("$PY" -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" 2>&1 | grep '::')"
 cuda_nodes() { grep "^$1::" <<<"$collected" | grep -E '\[([^]]*-)?cuda(-[^]]*)?\]$' || true; }
 mapfile -t golden < <(cuda_nodes tests/test_golden.py)
 mapfile -t cuda_tests < <(cuda_nodes tests/test_cuda.py)
 mapfile -t bad_input < <(cuda_nodes tests/test_bad_input.py)
 mapfile -t misuse < <(cuda_nodes tests/test_misuse.py)
+mapfile -t reader < <(cuda_nodes tests/test_sglang_reader.py)
 mapfile -t layer < <(grep '^tests/test_cuda_layer.py::' <<<"$collected" | grep -v 'emulated' || true)
 smoke_node="$(printf '%s\n' "${golden[@]}" | grep -m1 'ps1_' || true)"
 # Under the memory checker: two golden traces (page sizes 1 and 16) and the misuse walk
@@ -146,7 +149,7 @@ smoke_node="$(printf '%s\n' "${golden[@]}" | grep -m1 'ps1_' || true)"
 mapfile -t walk < <(printf '%s\n' "${misuse[@]}" | grep -E 'walk.*(ps1-|ps16)' | sort -u -t- -k2,2 | head -n 2)
 ((${#walk[@]})) || walk=("${misuse[@]:0:2}")
 sanitized=("$smoke_node" "$(printf '%s\n' "${golden[@]}" | grep -m1 'ps16_' || true)" "${walk[@]}")
-note "selected: golden ${#golden[@]}, cuda ${#cuda_tests[@]}, bad_input ${#bad_input[@]}, misuse ${#misuse[@]}, layer ${#layer[@]}, sanitized ${#sanitized[@]}"
+note "selected: golden ${#golden[@]}, cuda ${#cuda_tests[@]}, bad_input ${#bad_input[@]}, misuse ${#misuse[@]}, reader ${#reader[@]}, layer ${#layer[@]}, sanitized ${#sanitized[@]}"
 if ((${#golden[@]} == 0 || ${#cuda_tests[@]} == 0 || ${#bad_input[@]} == 0 || ${#layer[@]} == 0)) || [[ -z "$smoke_node" ]]; then
   note "FAILED: a selection is empty"
   echo "$collected" | tail -20 >&2
@@ -155,7 +158,7 @@ fi
 
 # ------------------------------------------------------------------ smoke, tests, layer
 phase smoke 60 smoke.log env CUDA_LAUNCH_BLOCKING=1 "${PYTEST[@]}" "$smoke_node"
-phase tests 150 tests.log "${PYTEST[@]}" "${golden[@]}" "${cuda_tests[@]}" "${bad_input[@]}" "${misuse[@]}"
+phase tests 150 tests.log "${PYTEST[@]}" "${golden[@]}" "${cuda_tests[@]}" "${bad_input[@]}" "${misuse[@]}" "${reader[@]}"
 phase layer 60 layer.log "${PYTEST[@]}" -s "${layer[@]}"
 
 # ------------------------------------------------------------------ bench

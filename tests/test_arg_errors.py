@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import swa_ext
+import test_sglang_reader
 from swa_ext import _C, decode
 
 PS = 4
@@ -73,7 +74,7 @@ def natives():
     """Every function pybind11 defines in swa_ext._C, with the owner a test calls it through."""
     found = []
     owners = {"HybridAllocator": "hybrid", "PagePool": "pool", "AllocatorState": "hybrid_state",
-              "PoolState": "pool_state"}
+              "PoolState": "pool_state", "SGLangWindowEviction": "sglang_eviction"}
     for cls_name, owner in owners.items():
         for name, attr in vars(getattr(_C, cls_name)).items():
             if type(attr).__name__ != "instancemethod" or name.startswith("_pybind11"):
@@ -109,7 +110,9 @@ class World:
         if owner == "module":
             return getattr(_C, name)
         objects = {"hybrid": self.hybrid, "pool": self.pool, "hybrid_state": self.hybrid.backup_state(),
-                   "pool_state": self.pool.backup_state()}
+                   "pool_state": self.pool.backup_state(),
+                   "sglang_eviction": _C.SGLangWindowEviction(test_sglang_reader.Request, test_sglang_reader.KvState,
+                                                              test_sglang_reader.SWA)}
         return getattr(objects[owner], name)
 
     def state(self):
@@ -128,7 +131,8 @@ def test_the_table_holds_every_kind_of_native():
     names = {n.owner for n in NATIVES}
     assert {"hybrid.alloc_decode", "hybrid.free_segment", "hybrid.evict_out_of_window", "pool.alloc_extend",
             "pool.free_page_ids", "new:HybridAllocator", "new:PagePool", "module.evict_out_of_window",
-            "module.swa_tail_len", "hybrid_state.__eq__"} <= names
+            "module.swa_tail_len", "hybrid_state.__eq__", "new:SGLangWindowEviction",
+            "sglang_eviction.evict"} <= names
     assert len(NATIVES) >= 50
 
 
@@ -231,6 +235,10 @@ TYPE_FAULTS = [
     ("new:HybridAllocator", (64, 32, PS, "cpu", "yes"), {}, "need_sort: expected a bool, got str"),
     ("new:PagePool", (64, PS, "cpu"), {"kernels": 3}, "kernels: expected a str, got int"),
     ("module.swa_tail_len", (10, 4.5, PS), {}, "window: expected an int, got float"),
+    ("sglang_eviction.evict", ("hybrid", [], torch.zeros(2, 16, dtype=torch.int32), "8", 1, True), {},
+     "window: expected an int, got str"),
+    ("sglang_eviction.evict", ("pool", [], torch.zeros(2, 16, dtype=torch.int32), 8, 1, True), {},
+     "allocator: expected a HybridAllocator, got PagedTokenToKVPoolAllocator"),
 ]
 
 
@@ -239,7 +247,7 @@ def test_a_value_of_the_wrong_type_is_named(owner, args, kwargs, expected):
     w = World()
     before = w.state()
     native = next(n for n in NATIVES if n.owner == owner)
-    stand_ins = {"held": w.held[:PS], "pool_state": w.pool.backup_state()}
+    stand_ins = {"held": w.held[:PS], "pool_state": w.pool.backup_state(), "hybrid": w.hybrid, "pool": w.pool}
     args = [stand_ins.get(a, a) if isinstance(a, str) else a for a in args]
     assert one_line_type_error(lambda: w.callable_of(native)(*args, **kwargs)) == expected
     assert w.state() == before

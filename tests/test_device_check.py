@@ -60,9 +60,10 @@ def test_the_selections_collect_only_cuda_parameters(dry_run):
     assert counts["sanitized"] >= 2
     if (ROOT / "tests" / "test_misuse.py").exists():
         assert counts["misuse"] > 0
+    assert counts["reader"] == 18  # the reader against SGLang's loop: page sizes x intervals x sharing
     tests = read(out, "tests.log")
     nodes = re.findall(r"tests/test_\w+\.py::\S+", tests)
-    assert len(nodes) == counts["golden"] + counts["cuda"] + counts["bad_input"] + counts["misuse"]
+    assert len(nodes) == counts["golden"] + counts["cuda"] + counts["bad_input"] + counts["misuse"] + counts["reader"]
     assert all(re.search(r"[\[-]cuda[\]-]", n) for n in nodes), [n for n in nodes if "cuda" not in n]
     assert "emulated" not in read(out, "layer.log")
 

@@ -161,11 +161,25 @@ SWA_HD int64_t swa_tail_len(int64_t seq_len, int64_t window, const PageGeometry&
 // Window eviction during decode: the new evicted length of a request whose committed
 // length is pre_len; equal to `evicted` when nothing is due. It runs for every request of
 // every decode step, so it takes the page geometry made once per call, not a page size.
+// Whether a request's window eviction is due: `interval` tokens have left the window since
+// its evicted length (SGLang's _swa_eviction_trigger). Written as pre_len - window >=
+// evicted + interval rearranged so that no step overflows: with 0 <= evicted, pre_len and
+// window, interval >= 1 (checked by the callers).
+SWA_HD bool window_eviction_due(int64_t evicted, int64_t pre_len, int64_t window, int64_t interval) {
+  return pre_len - evicted - window >= interval;
+}
+
+// The lowest position a request frees its SWA KV from itself (SGLang's
+// ReqKvInfo.swa_dead_lo): above the prefix the radix tree owns and above the eviction
+// shield; a shield above the prefix is rounded up to a whole page.
+SWA_HD int64_t swa_dead_lo(int64_t protected_len, int64_t evict_floor, const PageGeometry& page) {
+  if (evict_floor <= protected_len) return protected_len;
+  return page.size > 1 ? page.pages_for(evict_floor) * page.size : evict_floor;
+}
+
 SWA_HD int64_t evicted_after_step(int64_t evicted, int64_t pre_len, int64_t window, const PageGeometry& page,
                                   int64_t interval, bool prefix_sharing) {
-  // pre_len - window < evicted + interval, written so that no step can overflow: with
-  // 0 <= evicted <= pre_len and window, interval >= 1 (checked by the callers).
-  if (pre_len - evicted - window < interval) return evicted;
+  if (!window_eviction_due(evicted, pre_len, window, interval)) return evicted;
   int64_t keep = window;
   if (prefix_sharing) keep = page.pages_for(window > page.size ? window : page.size) * page.size;
   const int64_t target = pre_len - keep > evicted ? pre_len - keep : evicted;

@@ -15,6 +15,7 @@
 #include "../core/device_store.h"
 #include "argument_errors.h"
 #include "docstrings.h"
+#include "sglang_requests.h"
 #ifdef SWA_EXT_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -423,6 +424,87 @@ at::Tensor evict_out_of_window(HybridHandle& h, const py::object& req_to_token, 
   });
 }
 
+// The decode branch of SGLang's ScheduleBatch.maybe_evict_swa for a whole batch
+// (swa_ext/sglang/hooks.py): the due requests read from the batch's own objects, their
+// out-of-window pages freed by one evict_out_of_window, their evicted lengths written
+// back. Its lists are kept from step to step.
+class SGLangWindowEviction {
+ public:
+  SGLangWindowEviction(py::object req_type, py::object kv_type, py::object swa_component)
+      : classes_(std::move(req_type), std::move(kv_type), std::move(swa_component)) {}
+
+  // None once the batch is evicted; otherwise why SGLang's loop must evict it, nothing
+  // changed. free_group: open and close the free group around the frees (SGLang's loop
+  // does); false when the caller holds one open (lockstep). record: a list that gets an
+  // (index, start, evicted length after) tuple for each due request.
+  py::object evict(HybridHandle& h, const py::object& reqs, const py::object& req_to_token, int64_t window,
+                   int64_t interval, bool prefix_sharing, bool free_group, const py::object& record) {
+    swa::check_at_least_one("window", window);
+    swa::check_at_least_one("interval", interval);
+    if (!record.is_none() && !PyList_Check(record.ptr())) throw py::type_error("record: expected a list or None");
+    const swa::PageGeometry page(h.alloc->page_size());
+    const std::string reason = swa_sglang::read_due_requests(classes_, reqs, window, interval, page, due_);
+    if (!reason.empty()) return py::str(reason);
+    // A start past the committed length frees nothing: it only moves the evicted length.
+    new_evicted_ = due_.start;
+    freeing_.clear();
+    rows_.clear();
+    pre_lens_.clear();
+    starts_.clear();
+    for (int64_t j = 0; j < due_.size(); ++j) {
+      if (due_.start[j] > due_.pre_len[j]) continue;
+      freeing_.push_back(j);
+      rows_.push_back(due_.row[j]);
+      pre_lens_.push_back(due_.pre_len[j]);
+      starts_.push_back(due_.start[j]);
+    }
+    if (!freeing_.empty()) {
+      freed_to_.resize(freeing_.size());
+      const std::string refused = guarded(h, [&] { return free_out_of_window(h, req_to_token, window, prefix_sharing, free_group); });
+      if (!refused.empty()) return py::str("the native call refused this batch (" + refused + ")");
+      for (size_t k = 0; k < freeing_.size(); ++k) new_evicted_[freeing_[k]] = freed_to_[k];
+    }
+    swa_sglang::write_evicted_lengths(classes_, due_, new_evicted_.data());
+    if (!record.is_none())
+      for (int64_t j = 0; j < due_.size(); ++j)
+        if (PyList_Append(record.ptr(), py::make_tuple(due_.index[j], due_.start[j], new_evicted_[j]).ptr()) != 0)
+          throw py::error_already_set();
+    due_.clear();  // holds no request's objects past the call
+    return py::none();
+  }
+
+ private:
+  // The frees, inside the allocator's guard; "" or why the allocator refused them
+  // (before any change).
+  std::string free_out_of_window(HybridHandle& h, const py::object& req_to_token, int64_t window,
+                                 bool prefix_sharing, bool free_group) {
+    const swa::SlotRows table = slot_rows(req_to_token, h.device);
+    if (free_group) h.alloc->free_group_begin();
+    try {
+      h.alloc->evict_out_of_window(table, rows_, pre_lens_, starts_, window, 1, prefix_sharing, freed_to_.data());
+    } catch (const swa::ArgumentError& refused) {
+      if (free_group) h.alloc->free_group_end();  // the group is empty: nothing was freed
+      return refused.what();
+    } catch (...) {
+      if (free_group) end_group_after_failure(h);
+      throw;
+    }
+    if (free_group) h.alloc->free_group_end();
+    return std::string();
+  }
+  static void end_group_after_failure(HybridHandle& h) {
+    try {
+      h.alloc->free_group_end();
+    } catch (...) {  // the first error is the one to report
+    }
+  }
+
+  swa_sglang::RequestClasses classes_;
+  swa_sglang::DueRequests due_;
+  std::vector<int64_t> new_evicted_, freed_to_, rows_, pre_lens_, starts_;
+  std::vector<size_t> freeing_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -641,6 +723,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("restore_state", [](HybridHandle& h, const swa::AllocatorState& state) {
              guarded(h, [&] { h.alloc->restore_state(state); });
            }, swa_docs::hybrid_restore_state, py::arg("state"));
+
+  py::class_<SGLangWindowEviction>(m, "SGLangWindowEviction", swa_docs::sglang_window_eviction_class)
+      .def(py::init<py::object, py::object, py::object>(), py::arg("req_type"), py::arg("kv_type"),
+           py::arg("swa_component"))
+      .def("evict", &SGLangWindowEviction::evict, swa_docs::sglang_window_eviction_evict, py::arg("allocator"),
+           py::arg("reqs"), py::arg("req_to_token"), py::arg("window"), py::arg("interval"),
+           py::arg("prefix_sharing"), py::kw_only(), py::arg("free_group") = true, py::arg("record") = py::none());
 
   // swa_ext.decode's per-step call, after the class its first argument is.
   m.def("evict_out_of_window", &evict_out_of_window, swa_docs::evict_out_of_window, py::arg("allocator"),

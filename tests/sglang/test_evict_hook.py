@@ -107,15 +107,55 @@ def test_lockstep_checks_the_hook_request_by_request(interval, monkeypatch):
     assert s.alloc.lockstep_counts["maybe_evict_swa"] == STEPS
     assert s.alloc.lockstep_counts.get("free_swa_segment", 0) == 0  # SGLang's frees went to the shadow only
 
-    real = hooks._C.evict_out_of_window
+    real = hooks._eviction
 
-    def off_by_a_page(alloc, req_to_token, rows, pre_lens, starts, window, **kw):
-        return real(alloc, req_to_token, rows, pre_lens + 16, starts, window, **kw)
+    class OffByAPage:  # a native eviction whose window is a page short: it frees a page too many
+        def evict(self, alloc, reqs, req_to_token, window, *args, **kwargs):
+            return real.evict(alloc, reqs, req_to_token, window - 16, *args, **kwargs)
 
-    monkeypatch.setattr(hooks._C, "evict_out_of_window", off_by_a_page)
+    monkeypatch.setattr(hooks, "_eviction", OffByAPage())
     with pytest.raises(adapter.LockstepDivergence, match=r"maybe_evict_swa, request 'req-\d+'"):
         for _ in range(16):
             s.step()
+
+
+@pytest.mark.parametrize("interval", [1], indirect=True)
+def test_lockstep_names_a_request_only_sglangs_loop_found_due(interval, monkeypatch):
+    sglang_step._publish_server_args(16)
+    s = sglang_step.Scheduler("lockstep", NUM_REQS, 16, interval, 20, True)
+    real = hooks._eviction
+
+    class LateByAToken:  # a native eviction that waits one token longer than SGLang's trigger
+        def evict(self, alloc, reqs, req_to_token, window, interval, *args, **kwargs):
+            return real.evict(alloc, reqs, req_to_token, window, interval + 1, *args, **kwargs)
+
+    monkeypatch.setattr(hooks, "_eviction", LateByAToken())
+    with pytest.raises(adapter.LockstepDivergence, match=r"request 'req-\d+': SGLang's loop found it due"):
+        for _ in range(16):
+            s.step()
+
+
+@pytest.mark.parametrize("interval", [1], indirect=True)
+def test_a_request_the_native_reader_cannot_read_takes_sglangs_loop(interval, caplog):
+    from sglang.srt.managers.schedule_batch import Req
+
+    class TracedReq(Req):  # a subclass may compute seqlen its own way: the reader reads Req only
+        pass
+
+    sglang_step._publish_server_args(16)
+    hook, loop = (sglang_step.Scheduler(s, NUM_REQS, 16, interval, 12, True) for s in ("hook", "swa_ext"))
+    for s in (hook, loop):
+        s.reqs[3].__class__ = TracedReq
+    before = dict(hooks.counts)
+    hooks._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="swa_ext.sglang"):
+        for _ in range(8):
+            hook.step()
+            loop.step()
+            same(pools(hook), pools(loop))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("swa_ext:")]
+    assert len(lines) == 1 and "TracedReq, not SGLang's Req" in lines[0], lines
+    assert hooks.counts["native"] == before["native"] and hooks.counts["sglang"] - before["sglang"] == 8
 
 
 @pytest.mark.parametrize("interval", [1], indirect=True)
@@ -186,3 +226,10 @@ def test_the_step_benchmark_runs_and_reports_every_case(tmp_path, capsys):
             assert r[setup]["maybe_evict_swa_us"] > 0 and r[setup]["prepare_for_decode_us"] > 0
     assert len(doc["interval_pairs"]) == 1
     assert "| requests | page | interval | setup |" in capsys.readouterr().out
+    # Two of the setups, taking turns step by step.
+    assert sglang_step.main(["--requests", "4", "--page-sizes", "16", "--intervals", "1", "--steps", "3",
+                             "--warmup", "1", "--setups", "sglang,hook", "--block", "1", "--json", str(js)]) == 0
+    (row,) = json.loads(js.read_text())["rows"]
+    assert row["block"] == 1 and "hook" in row and "swa_ext" not in row
+    with pytest.raises(SystemExit):
+        sglang_step.main(["--setups", "hook,sglang"])  # the reference setup comes first

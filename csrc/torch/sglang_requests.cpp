@@ -1,0 +1,255 @@
+#include "sglang_requests.h"
+
+namespace swa_sglang __attribute__((visibility("hidden"))) {
+
+namespace {
+
+// Lengths past this take SGLang's loop: below it no sum or difference of two overflows.
+constexpr int64_t kMaxLength = int64_t{1} << 62;
+
+// An attribute name, interned once (the lookups then compare pointers).
+struct Names {
+  PyObject *decode_batch_idx, *kv, *req_pool_idx, *origin_input_ids, *output_ids, *component_evicted_seqlens,
+      *cache_protected_len, *swa_evict_floor;
+  Names()
+      : decode_batch_idx(PyUnicode_InternFromString("decode_batch_idx")),
+        kv(PyUnicode_InternFromString("kv")),
+        req_pool_idx(PyUnicode_InternFromString("req_pool_idx")),
+        origin_input_ids(PyUnicode_InternFromString("origin_input_ids")),
+        output_ids(PyUnicode_InternFromString("output_ids")),
+        component_evicted_seqlens(PyUnicode_InternFromString("component_evicted_seqlens")),
+        cache_protected_len(PyUnicode_InternFromString("cache_protected_len")),
+        swa_evict_floor(PyUnicode_InternFromString("swa_evict_floor")) {}
+};
+const Names& names() {
+  static const Names interned;  // made under the GIL on the first call, kept for the process
+  return interned;
+}
+
+// Why the reader stopped: the batch goes to SGLang's loop with this reason.
+struct Refusal {
+  std::string reason;
+};
+
+std::string type_name(PyObject* obj) { return Py_TYPE(obj)->tp_name; }
+
+// A Python exception raised by an attribute read, as a refusal (SGLang's loop then reads
+// the same attribute and raises it where SGLang would).
+[[noreturn]] void refuse_on_python_error(int64_t index, const char* what) {
+  py::error_already_set error;
+  throw Refusal{"reading request " + std::to_string(index) + "'s " + what + " raised " + error.what()};
+}
+
+// The Req attributes the reader reads, from the request's instance dict: the class
+// defines none of these names (RequestClasses checks), so this is what the attribute
+// reads would find. Looked up together, before any is used: the lookups do not depend on
+// each other, so their cache misses overlap. A missing one is refused where it is needed
+// (SGLang reads output_ids only of a request past its first decode step).
+struct RequestFields {
+  py::object decode_batch_idx, kv, origin_input_ids, output_ids;
+};
+
+RequestFields request_fields(PyObject* req_dict, int64_t index) {
+  const Names& name = names();
+  PyObject* const keys[] = {name.decode_batch_idx, name.kv, name.origin_input_ids, name.output_ids};
+  PyObject* found[4];
+  for (int k = 0; k < 4; ++k) found[k] = PyDict_GetItemWithError(req_dict, keys[k]);
+  if (PyErr_Occurred()) refuse_on_python_error(index, "attributes");
+  const auto held = [](PyObject* value) { return py::reinterpret_borrow<py::object>(value); };
+  return RequestFields{held(found[0]), held(found[1]), held(found[2]), held(found[3])};
+}
+
+PyObject* required(const py::object& value, int64_t index, const char* what) {
+  if (!value) throw Refusal{"request " + std::to_string(index) + " has no " + what};
+  return value.ptr();
+}
+
+py::object attr(PyObject* obj, PyObject* name, int64_t index, const char* what) {
+  PyObject* value = PyObject_GetAttr(obj, name);
+  if (value == nullptr) refuse_on_python_error(index, what);
+  return py::reinterpret_steal<py::object>(value);
+}
+
+// An int (or anything with __index__, a numpy integer say) in [lo, kMaxLength).
+int64_t length(PyObject* value, int64_t lo, int64_t index, const char* what) {
+  int overflow = 0;
+  long long v;
+  if (PyLong_Check(value)) {
+    v = PyLong_AsLongLongAndOverflow(value, &overflow);
+  } else {
+    const py::object held = py::reinterpret_borrow<py::object>(value);  // __index__ may run Python code
+    PyObject* as_int = PyNumber_Index(value);
+    if (as_int == nullptr) refuse_on_python_error(index, what);
+    v = PyLong_AsLongLongAndOverflow(as_int, &overflow);
+    Py_DECREF(as_int);
+  }
+  if (v == -1 && PyErr_Occurred()) refuse_on_python_error(index, what);
+  if (overflow != 0 || v < lo || v >= kMaxLength)
+    throw Refusal{"request " + std::to_string(index) + "'s " + what + " is outside [" + std::to_string(lo) +
+                  ", 2**62)"};
+  return v;
+}
+
+// decode_batch_idx >= 1: under the overlap scheduler the extend batch before a request's
+// first decode step may still be running.
+bool past_first_decode(PyObject* value, int64_t index) {
+  const py::object held = py::reinterpret_borrow<py::object>(value);  // __index__ may run Python code
+  const py::object as_int = py::reinterpret_steal<py::object>(PyNumber_Index(value));
+  if (!as_int) refuse_on_python_error(index, "decode_batch_idx");
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(as_int.ptr(), &overflow);
+  return overflow > 0 || (overflow == 0 && v >= 1);
+}
+
+// Req.seqlen: the prompt's tokens and the output's, the last of which has no KV yet.
+int64_t seqlen(const RequestFields& req, int64_t index) {
+  int64_t tokens = 0;
+  const std::pair<const py::object*, const char*> token_lists[] = {{&req.origin_input_ids, "origin_input_ids"},
+                                                                  {&req.output_ids, "output_ids"}};
+  for (const auto& [ids, label] : token_lists) {
+    const Py_ssize_t n = PyObject_Size(required(*ids, index, label));  // a list's or array's length
+    if (n < 0) refuse_on_python_error(index, label);
+    tokens += n;
+  }
+  if (tokens < 1) throw Refusal{"request " + std::to_string(index) + " has no tokens (seqlen 0)"};
+  return tokens;
+}
+
+// The SWA entry of a request's evicted lengths, or nullptr (ReqKvInfo.get_evicted_seqlen: 0).
+PyObject* evicted_entry(const RequestClasses& classes, PyObject* lengths, int64_t index) {
+#if PY_VERSION_HEX < 0x030D0000
+  PyObject* value = _PyDict_GetItem_KnownHash(lengths, classes.swa_component.ptr(), classes.swa_hash);
+#else
+  PyObject* value = PyDict_GetItemWithError(lengths, classes.swa_component.ptr());
+#endif
+  if (value == nullptr && PyErr_Occurred()) refuse_on_python_error(index, "SWA evicted length");
+  return value;
+}
+
+void read(const RequestClasses& classes, PyObject* const* reqs, int64_t n, int64_t window, int64_t interval,
+          const swa::PageGeometry& page, DueRequests& due) {
+  const Names& name = names();
+  const auto* req_type = reinterpret_cast<PyTypeObject*>(classes.req_type.ptr());
+  const auto* kv_type = reinterpret_cast<PyTypeObject*>(classes.kv_type.ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    PyObject* req = reqs[i];
+    if (Py_TYPE(req) != req_type) throw Refusal{"a request of type " + type_name(req) + ", not SGLang's Req"};
+    const py::object req_dict = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(req, nullptr));
+    if (!req_dict) refuse_on_python_error(i, "__dict__");
+    const RequestFields fields = request_fields(req_dict.ptr(), i);
+    // SGLang's test, in its order: decode_batch_idx >= 1, holds KV, due.
+    if (!past_first_decode(required(fields.decode_batch_idx, i, "decode_batch_idx"), i)) continue;
+    PyObject* kv = required(fields.kv, i, "kv");
+    if (Py_TYPE(kv) != kv_type)
+      throw Refusal{"a request's KV state of type " + type_name(kv) + ", not SGLang's ReqKvInfo"};
+    const py::object row = attr(kv, name.req_pool_idx, i, "kv.req_pool_idx");
+    if (row.is_none()) continue;  // holds no KV
+    const int64_t pre_len = seqlen(fields, i) - 1;
+    py::object lengths = attr(kv, name.component_evicted_seqlens, i, "kv.component_evicted_seqlens");
+    if (!PyDict_CheckExact(lengths.ptr()))
+      throw Refusal{"a request's component_evicted_seqlens of type " + type_name(lengths.ptr()) + ", not a dict"};
+    PyObject* entry = evicted_entry(classes, lengths.ptr(), i);
+    const int64_t evicted = entry == nullptr ? 0 : length(entry, 0, i, "SWA evicted length");
+    if (!swa::window_eviction_due(evicted, pre_len, window, interval)) continue;
+    const int64_t protected_len =
+        length(attr(kv, name.cache_protected_len, i, "kv.cache_protected_len").ptr(), 0, i, "kv.cache_protected_len");
+    const int64_t floor =
+        length(attr(kv, name.swa_evict_floor, i, "kv.swa_evict_floor").ptr(), 0, i, "kv.swa_evict_floor");
+    const int64_t dead_lo = swa::swa_dead_lo(protected_len, floor, page);
+    due.index.push_back(i);
+    due.row.push_back(length(row.ptr(), 0, i, "kv.req_pool_idx"));
+    due.pre_len.push_back(pre_len);
+    due.evicted.push_back(evicted);
+    due.has_entry.push_back(entry != nullptr);
+    due.start.push_back(evicted > dead_lo ? evicted : dead_lo);
+    due.evicted_lengths.push_back(std::move(lengths));
+  }
+}
+
+}  // namespace
+
+namespace {
+// What a class's attribute is now (a borrowed reference, nullptr when it has none).
+PyObject* class_attribute(const py::object& owner, const py::object& name) {
+  return _PyType_Lookup(reinterpret_cast<PyTypeObject*>(owner.ptr()), name.ptr());
+}
+}  // namespace
+
+RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
+    : req_type(std::move(req)), kv_type(std::move(kv)), swa_component(std::move(swa)) {
+  if (!PyType_Check(req_type.ptr())) throw py::type_error("req_type: expected a class");
+  if (!PyType_Check(kv_type.ptr())) throw py::type_error("kv_type: expected a class");
+  swa_hash = PyObject_Hash(swa_component.ptr());
+  if (swa_hash == -1) throw py::error_already_set();
+  const std::pair<const py::object*, const char*> read_in_place[] = {
+      {&req_type, "seqlen"}, {&kv_type, "get_evicted_seqlen"}, {&kv_type, "set_evicted_seqlen"},
+      {&kv_type, "holds_kv"}, {&kv_type, "swa_dead_lo"}};
+  for (const auto& [owner, method] : read_in_place) {
+    py::str name(method);
+    PyObject* found = class_attribute(*owner, name);
+    if (found == nullptr)
+      throw py::type_error(std::string(reinterpret_cast<PyTypeObject*>(owner->ptr())->tp_name) + " has no " + method +
+                           ": not SGLang's class");
+    methods.push_back(Method{*owner, name, py::reinterpret_borrow<py::object>(found)});
+  }
+  // The Req fields read from the instance dict: the class must define none of them.
+  for (const char* plain : {"decode_batch_idx", "kv", "origin_input_ids", "output_ids"}) {
+    py::str name(plain);
+    if (class_attribute(req_type, name) != nullptr)
+      throw py::type_error(std::string(reinterpret_cast<PyTypeObject*>(req_type.ptr())->tp_name) + "." + plain +
+                           " is defined by the class: not SGLang's Req");
+    methods.push_back(Method{req_type, name, py::none()});
+  }
+}
+
+std::string RequestClasses::replaced_method() const {
+  for (const Method& m : methods)
+    if (class_attribute(m.owner, m.name) != (m.found.is_none() ? nullptr : m.found.ptr()))
+      return std::string(reinterpret_cast<PyTypeObject*>(m.owner.ptr())->tp_name) + "." +
+             py::cast<std::string>(m.name) + " changed since the reader was made (SGLang's loop reads it)";
+  return std::string();
+}
+
+void DueRequests::clear() {
+  index.clear();
+  row.clear();
+  pre_len.clear();
+  evicted.clear();
+  has_entry.clear();
+  start.clear();
+  evicted_lengths.clear();
+}
+
+std::string read_due_requests(const RequestClasses& classes, py::handle reqs, int64_t window, int64_t interval,
+                              const swa::PageGeometry& page, DueRequests& due) {
+  due.clear();
+  std::string replaced = classes.replaced_method();
+  if (!replaced.empty()) return replaced;
+  // A list is read in place; any other sequence through one fast copy.
+  const py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(reqs.ptr(), "reqs: expected a sequence"));
+  if (!seq) throw py::error_already_set();
+  try {
+    read(classes, PySequence_Fast_ITEMS(seq.ptr()), PySequence_Fast_GET_SIZE(seq.ptr()), window, interval, page, due);
+  } catch (const Refusal& refusal) {
+    due.clear();
+    return refusal.reason;
+  }
+  return std::string();
+}
+
+void write_evicted_lengths(const RequestClasses& classes, const DueRequests& due, const int64_t* new_evicted) {
+  for (int64_t j = 0; j < due.size(); ++j) {
+    if (new_evicted[j] == due.evicted[j] && due.has_entry[j]) continue;
+    const py::object value = py::reinterpret_steal<py::object>(PyLong_FromLongLong(new_evicted[j]));
+    if (!value) throw py::error_already_set();
+#if PY_VERSION_HEX < 0x030D0000
+    const int failed = _PyDict_SetItem_KnownHash(due.evicted_lengths[j].ptr(), classes.swa_component.ptr(),
+                                                 value.ptr(), classes.swa_hash);
+#else
+    const int failed = PyDict_SetItem(due.evicted_lengths[j].ptr(), classes.swa_component.ptr(), value.ptr());
+#endif
+    if (failed != 0) throw py::error_already_set();
+  }
+}
+
+}  // namespace swa_sglang
