@@ -72,3 +72,20 @@ TEST(Rules, EvictedAfterStep) {
   EXPECT_EQ(evicted_after_step(0, 120, 40, PageGeometry(16), 1, true), 64);  // keeps 40 rounded up to a page, 48: 72 -> 64
   EXPECT_EQ(evicted_after_step(5, 30, 24, PageGeometry(1), 1, false), 6);
 }
+
+TEST(Rules, WindowEvictionDue) {  // SGLang's trigger: pre_len - window >= evicted + interval
+  EXPECT_FALSE(window_eviction_due(16, 56, 40, 1));  // nothing left the window since 16
+  EXPECT_TRUE(window_eviction_due(16, 57, 40, 1));
+  EXPECT_FALSE(window_eviction_due(0, 40 + 127, 40, 128));
+  EXPECT_TRUE(window_eviction_due(0, 40 + 128, 40, 128));
+  EXPECT_FALSE(window_eviction_due(0, 3, 40, 1));  // shorter than the window
+}
+
+TEST(Rules, SwaDeadLo) {  // SGLang's ReqKvInfo.swa_dead_lo
+  EXPECT_EQ(swa_dead_lo(32, 0, PageGeometry(16)), 32);   // the tree's prefix
+  EXPECT_EQ(swa_dead_lo(32, 20, PageGeometry(16)), 32);  // a shield inside the prefix
+  EXPECT_EQ(swa_dead_lo(32, 37, PageGeometry(16)), 48);  // a shield above it, up to a page
+  EXPECT_EQ(swa_dead_lo(32, 48, PageGeometry(16)), 48);
+  EXPECT_EQ(swa_dead_lo(0, 37, PageGeometry(1)), 37);
+  EXPECT_EQ(swa_dead_lo(3, 0, PageGeometry(16)), 3);  // a prefix is not rounded (SGLang asserts it aligned)
+}
