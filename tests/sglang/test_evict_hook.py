@@ -135,34 +135,29 @@ def test_lockstep_names_a_request_only_sglangs_loop_found_due(interval, monkeypa
             s.step()
 
 
-@pytest.mark.parametrize("interval", [1], indirect=True)
-def test_a_request_the_native_reader_cannot_read_takes_sglangs_loop(interval, caplog):
+def _release_prefix_locks(monkeypatch, setups):
+    monkeypatch.setenv("SGLANG_OPT_RELEASE_PREFILL_SWA", "1")
+
+
+def _a_request_subclass(monkeypatch, setups):
     from sglang.srt.managers.schedule_batch import Req
 
     class TracedReq(Req):  # a subclass may compute seqlen its own way: the reader reads Req only
         pass
 
-    sglang_step._publish_server_args(16)
-    hook, loop = (sglang_step.Scheduler(s, NUM_REQS, 16, interval, 12, True) for s in ("hook", "swa_ext"))
-    for s in (hook, loop):
+    for s in setups:
         s.reqs[3].__class__ = TracedReq
-    before = dict(hooks.counts)
-    hooks._warned.clear()
-    with caplog.at_level(logging.WARNING, logger="swa_ext.sglang"):
-        for _ in range(8):
-            hook.step()
-            loop.step()
-            same(pools(hook), pools(loop))
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("swa_ext:")]
-    assert len(lines) == 1 and "TracedReq, not SGLang's Req" in lines[0], lines
-    assert hooks.counts["native"] == before["native"] and hooks.counts["sglang"] - before["sglang"] == 8
 
 
 @pytest.mark.parametrize("interval", [1], indirect=True)
-def test_a_rule_not_covered_takes_sglangs_loop_with_one_warning(interval, monkeypatch, caplog):
-    monkeypatch.setenv("SGLANG_OPT_RELEASE_PREFILL_SWA", "1")
+@pytest.mark.parametrize("cause, reason", [(_release_prefix_locks, "SGLANG_OPT_RELEASE_PREFILL_SWA"),
+                                           (_a_request_subclass, "TracedReq, not SGLang's Req")],
+                         ids=["rule-not-covered", "request-not-read"])
+def test_what_the_native_call_does_not_cover_takes_sglangs_loop_with_one_warning(cause, reason, interval,
+                                                                                  monkeypatch, caplog):
     sglang_step._publish_server_args(16)
     hook, loop = (sglang_step.Scheduler(s, NUM_REQS, 16, interval, 12, True) for s in ("hook", "swa_ext"))
+    cause(monkeypatch, (hook, loop))
     before = dict(hooks.counts)
     hooks._warned.clear()
     with caplog.at_level(logging.WARNING, logger="swa_ext.sglang"):
@@ -171,7 +166,7 @@ def test_a_rule_not_covered_takes_sglangs_loop_with_one_warning(interval, monkey
             loop.step()
             same(pools(hook), pools(loop))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("swa_ext:")]
-    assert len(lines) == 1 and "SGLANG_OPT_RELEASE_PREFILL_SWA" in lines[0], lines
+    assert len(lines) == 1 and reason in lines[0], lines
     assert hooks.counts["native"] == before["native"] and hooks.counts["sglang"] - before["sglang"] == 8
 
 
