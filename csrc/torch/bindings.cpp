@@ -436,52 +436,55 @@ class SGLangWindowEviction {
   // None once the batch is evicted; otherwise why SGLang's loop must evict it, nothing
   // changed. free_group: open and close the free group around the frees (SGLang's loop
   // does); false when the caller holds one open (lockstep). record: a list that gets an
-  // (index, start, evicted length after) tuple for each due request.
+  // (index, start, evicted length after) tuple for each due request. The lists of a call
+  // are its own: a CUDA allocator's wait lets another thread in with the same reader.
   py::object evict(HybridHandle& h, const py::object& reqs, const py::object& req_to_token, int64_t window,
-                   int64_t interval, bool prefix_sharing, bool free_group, const py::object& record) {
+                   int64_t interval, bool prefix_sharing, bool free_group, const py::object& record) const {
     swa::check_at_least_one("window", window);
     swa::check_at_least_one("interval", interval);
     if (!record.is_none() && !PyList_Check(record.ptr())) throw py::type_error("record: expected a list or None");
     const swa::PageGeometry page(h.alloc->page_size());
-    const std::string reason = swa_sglang::read_due_requests(classes_, reqs, window, interval, page, due_);
+    swa_sglang::DueRequests due;
+    const std::string reason = swa_sglang::read_due_requests(classes_, reqs, window, interval, page, due);
     if (!reason.empty()) return py::str(reason);
     // A start past the committed length frees nothing: it only moves the evicted length.
-    new_evicted_ = due_.start;
-    freeing_.clear();
-    rows_.clear();
-    pre_lens_.clear();
-    starts_.clear();
-    for (int64_t j = 0; j < due_.size(); ++j) {
-      if (due_.start[j] > due_.pre_len[j]) continue;
-      freeing_.push_back(j);
-      rows_.push_back(due_.row[j]);
-      pre_lens_.push_back(due_.pre_len[j]);
-      starts_.push_back(due_.start[j]);
+    std::vector<int64_t> new_evicted = due.start, rows, pre_lens, starts;
+    std::vector<size_t> freeing;
+    for (int64_t j = 0; j < due.size(); ++j) {
+      if (due.start[j] > due.pre_len[j]) continue;
+      freeing.push_back(j);
+      rows.push_back(due.row[j]);
+      pre_lens.push_back(due.pre_len[j]);
+      starts.push_back(due.start[j]);
     }
-    if (!freeing_.empty()) {
-      freed_to_.resize(freeing_.size());
-      const std::string refused = guarded(h, [&] { return free_out_of_window(h, req_to_token, window, prefix_sharing, free_group); });
+    if (!freeing.empty()) {
+      std::vector<int64_t> freed_to(freeing.size());
+      const std::string refused = guarded(h, [&] {
+        return free_out_of_window(h, req_to_token, rows, pre_lens, starts, window, prefix_sharing, free_group,
+                                  freed_to.data());
+      });
       if (!refused.empty()) return py::str("the native call refused this batch (" + refused + ")");
-      for (size_t k = 0; k < freeing_.size(); ++k) new_evicted_[freeing_[k]] = freed_to_[k];
+      for (size_t k = 0; k < freeing.size(); ++k) new_evicted[freeing[k]] = freed_to[k];
     }
-    swa_sglang::write_evicted_lengths(classes_, due_, new_evicted_.data());
+    swa_sglang::write_evicted_lengths(classes_, due, new_evicted.data());
     if (!record.is_none())
-      for (int64_t j = 0; j < due_.size(); ++j)
-        if (PyList_Append(record.ptr(), py::make_tuple(due_.index[j], due_.start[j], new_evicted_[j]).ptr()) != 0)
+      for (int64_t j = 0; j < due.size(); ++j)
+        if (PyList_Append(record.ptr(), py::make_tuple(due.index[j], due.start[j], new_evicted[j]).ptr()) != 0)
           throw py::error_already_set();
-    due_.clear();  // holds no request's objects past the call
     return py::none();
   }
 
  private:
   // The frees, inside the allocator's guard; "" or why the allocator refused them
   // (before any change).
-  std::string free_out_of_window(HybridHandle& h, const py::object& req_to_token, int64_t window,
-                                 bool prefix_sharing, bool free_group) {
+  static std::string free_out_of_window(HybridHandle& h, const py::object& req_to_token,
+                                        const std::vector<int64_t>& rows, const std::vector<int64_t>& pre_lens,
+                                        const std::vector<int64_t>& starts, int64_t window, bool prefix_sharing,
+                                        bool free_group, int64_t* freed_to) {
     const swa::SlotRows table = slot_rows(req_to_token, h.device);
     if (free_group) h.alloc->free_group_begin();
     try {
-      h.alloc->evict_out_of_window(table, rows_, pre_lens_, starts_, window, 1, prefix_sharing, freed_to_.data());
+      h.alloc->evict_out_of_window(table, rows, pre_lens, starts, window, 1, prefix_sharing, freed_to);
     } catch (const swa::ArgumentError& refused) {
       if (free_group) h.alloc->free_group_end();  // the group is empty: nothing was freed
       return refused.what();
@@ -499,10 +502,7 @@ class SGLangWindowEviction {
     }
   }
 
-  swa_sglang::RequestClasses classes_;
-  swa_sglang::DueRequests due_;
-  std::vector<int64_t> new_evicted_, freed_to_, rows_, pre_lens_, starts_;
-  std::vector<size_t> freeing_;
+  const swa_sglang::RequestClasses classes_;
 };
 
 }  // namespace

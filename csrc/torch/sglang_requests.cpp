@@ -126,13 +126,17 @@ PyObject* evicted_entry(const RequestClasses& classes, PyObject* lengths, int64_
   return value;
 }
 
-void read(const RequestClasses& classes, PyObject* const* reqs, int64_t n, int64_t window, int64_t interval,
+// reqs: a list or tuple (PySequence_Fast's). It is indexed afresh for each request and
+// each request held while it is read: a length's __index__ or __len__ is Python code that
+// could change the list.
+void read(const RequestClasses& classes, PyObject* reqs, int64_t window, int64_t interval,
           const swa::PageGeometry& page, DueRequests& due) {
   const Names& name = names();
   const auto* req_type = reinterpret_cast<PyTypeObject*>(classes.req_type.ptr());
   const auto* kv_type = reinterpret_cast<PyTypeObject*>(classes.kv_type.ptr());
-  for (int64_t i = 0; i < n; ++i) {
-    PyObject* req = reqs[i];
+  for (int64_t i = 0; i < PySequence_Fast_GET_SIZE(reqs); ++i) {
+    const py::object held = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(reqs, i));
+    PyObject* req = held.ptr();
     if (Py_TYPE(req) != req_type) throw Refusal{"a request of type " + type_name(req) + ", not SGLang's Req"};
     const py::object req_dict = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(req, nullptr));
     if (!req_dict) refuse_on_python_error(i, "__dict__");
@@ -229,7 +233,7 @@ std::string read_due_requests(const RequestClasses& classes, py::handle reqs, in
   const py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(reqs.ptr(), "reqs: expected a sequence"));
   if (!seq) throw py::error_already_set();
   try {
-    read(classes, PySequence_Fast_ITEMS(seq.ptr()), PySequence_Fast_GET_SIZE(seq.ptr()), window, interval, page, due);
+    read(classes, seq.ptr(), window, interval, page, due);
   } catch (const Refusal& refusal) {
     due.clear();
     return refusal.reason;
