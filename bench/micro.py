@@ -909,5 +909,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as `swa-ext bench`: its errors and Ctrl-C read the same
+    from swa_ext.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))

@@ -151,10 +151,10 @@ def test_an_existing_output_is_kept_until_the_run_succeeds(tmp_path, capsys, mon
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"] and out_json.read_text() == "old"
 
 
-def _interrupted(args, tmp_path, ready: str, stream: str):
-    """Runs ``python -m swa_ext ARGS`` without a terminal, sends SIGINT once a line
+def _interrupted(args, tmp_path, ready: str, stream: str, module="swa_ext"):
+    """Runs ``python -m MODULE ARGS`` without a terminal, sends SIGINT once a line
     starting with ``ready`` appears on ``stream``, and returns (exit status, stderr lines)."""
-    proc = subprocess.Popen([sys.executable, "-m", "swa_ext", *args], cwd=tmp_path, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=tmp_path, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     watched = proc.stdout if stream == "stdout" else proc.stderr
     for line in watched:
@@ -175,9 +175,11 @@ def test_ctrl_c_in_simulate_is_one_line_status_130_and_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ctrl_c_in_bench_is_one_line_status_130_and_leaves_nothing(tmp_path):
-    code, err = _interrupted(["bench", "--no-sglang", "--ops", "alloc_decode", "--seconds-per-case", "0.5",
-                              "--json", "b.json", "--plot", "b.jpg"], tmp_path, "[1/", "stderr")
+@pytest.mark.parametrize("module, command", [("swa_ext", ["bench"]), ("swa_ext_bench", []),
+                                             ("swa_ext_bench.micro", [])])
+def test_ctrl_c_in_bench_is_one_line_status_130_and_leaves_nothing(module, command, tmp_path):
+    code, err = _interrupted([*command, "--no-sglang", "--ops", "alloc_decode", "--seconds-per-case", "0.5",
+                              "--json", "b.json", "--plot", "b.jpg"], tmp_path, "[1/", "stderr", module)
     assert code == 130
     assert err[-1] == "swa-ext: interrupted" and not any("Traceback" in line for line in err)
     assert list(tmp_path.iterdir()) == []
