@@ -61,6 +61,12 @@ class KvState:
         return lo
 
 
+# The same KV state keeping its fields in an instance dict: the reader reads those
+# through the attribute lookup instead of the slots.
+DictKvState = type("DictKvState", (), {k: v for k, v in vars(KvState).items()
+                                       if k not in ("__slots__", *KvState.__slots__)})
+
+
 class Request:
     def __init__(self, prompt, outputs, kv, decode_batch_idx=1):
         self.origin_input_ids = list(range(prompt))
@@ -103,7 +109,7 @@ class Batch:
 
     GROWTH = 32  # tokens each request may decode: their slots are in its row from the start
 
-    def __init__(self, lengths, page=PS, kernels="auto", **kv_fields):
+    def __init__(self, lengths, page=PS, kernels="auto", kv_class=KvState, **kv_fields):
         device = "cuda" if kernels == "cuda" else "cpu"
         self.alloc = swa_ext.SWATokenToKVPoolAllocator(2048, 2048, page, torch.float16, device, kernels=kernels)
         self.req_to_token = torch.zeros(len(lengths) + 1, 256, dtype=torch.int32, device=device)
@@ -111,15 +117,15 @@ class Batch:
         for row, (prompt, outputs) in enumerate(lengths):
             held = prompt + outputs + self.GROWTH
             self.req_to_token[row, :held] = self.alloc.alloc(-(-held // page) * page)[:held].to(torch.int32)
-            self.reqs.append(Request(prompt, outputs, KvState(row, **kv_fields)))
+            self.reqs.append(Request(prompt, outputs, kv_class(row, **kv_fields)))
 
     def state(self):
         return ([copy.copy(r.kv.component_evicted_seqlens) for r in self.reqs], self.alloc.backup_state(),
                 self.alloc.full_to_swa_index_mapping.cpu())
 
 
-def reader():
-    return _C.SGLangWindowEviction(Request, KvState, SWA)
+def reader(kv_class=KvState):
+    return _C.SGLangWindowEviction(Request, kv_class, SWA)
 
 
 LENGTHS = [(30, 5), (9, 1), (60, 12), (17, 3), (100, 1), (12, 40), (8, 1)]
@@ -134,17 +140,18 @@ def assert_same(a, b):
 @pytest.mark.parametrize("page", [1, 4, 16])
 @pytest.mark.parametrize("interval", [1, 3, 16])
 @pytest.mark.parametrize("sharing", [True, False])
-@pytest.mark.parametrize("kernels", ["cpu", "emulated", "cuda"])
-def test_the_reader_evicts_as_sglangs_loop(kernels, page, interval, sharing):
+@pytest.mark.parametrize("kernels, kv_class", [("cpu", KvState), ("cpu", DictKvState), ("emulated", KvState),
+                                              ("cuda", KvState)], ids=["cpu", "cpu-dict", "emulated", "cuda"])
+def test_the_reader_evicts_as_sglangs_loop(kernels, kv_class, page, interval, sharing):
     if kernels == "cuda" and cuda_skip_reason():
         pytest.skip(cuda_skip_reason())
-    ours, theirs = Batch(LENGTHS, page, kernels), Batch(LENGTHS, page, "cpu")
+    ours, theirs = Batch(LENGTHS, page, kernels, kv_class), Batch(LENGTHS, page, "cpu", kv_class)
     for batch in (ours, theirs):  # protected prefixes, shields, a request without KV, one not yet decoding
         batch.reqs[0].kv.cache_protected_len = 2 * page
         batch.reqs[2].kv.swa_evict_floor = 13
         batch.reqs[3].kv.req_pool_idx = None
         batch.reqs[5].decode_batch_idx = 0
-    evict = reader()
+    evict = reader(kv_class)
     moved = 0
     for step in range(Batch.GROWTH):
         got = []
@@ -231,6 +238,10 @@ def _plant(what, batch, monkeypatch):
         req.kv.component_evicted_seqlens = list()
     elif what == "length raises":
         req.output_ids = RaisingLength([0])
+    elif what == "unset slot":
+        del req.kv.swa_evict_floor
+    elif what == "replaced slot":
+        monkeypatch.setattr(KvState, "req_pool_idx", property(lambda self: 2))
     elif what == "unaligned start":  # the allocator refuses: start must be page-aligned
         req.kv.cache_protected_len = 3
 
@@ -240,6 +251,7 @@ PLANTS = {"request class": "OtherRequest, not SGLang's Req", "kv class": "OtherK
           "missing attribute": "request 2 has no output_ids", "negative length": "kv.cache_protected_len is outside",
           "huge length": "kv.swa_evict_floor is outside", "not an int": "SWA evicted length raised TypeError",
           "evicted lengths not a dict": "not a dict", "length raises": "output_ids raised RuntimeError: no length today",
+          "unset slot": "request 2 has no kv.swa_evict_floor", "replaced slot": "KvState.req_pool_idx changed",
           "unaligned start": "the native call refused this batch (evicted_seqlens: entry"}
 
 

@@ -1,5 +1,7 @@
 #include "sglang_requests.h"
 
+#include <structmember.h>
+
 namespace swa_sglang __attribute__((visibility("hidden"))) {
 
 namespace {
@@ -8,18 +10,22 @@ namespace {
 constexpr int64_t kMaxLength = int64_t{1} << 62;
 
 // An attribute name, interned once (the lookups then compare pointers).
+// A KV state's fields the reader reads, in RequestClasses::KvField order, as errors name them.
+constexpr const char* kKvFields[] = {"req_pool_idx", "component_evicted_seqlens", "cache_protected_len",
+                                     "swa_evict_floor"};
+constexpr const char* kKvFieldLabels[] = {"kv.req_pool_idx", "kv.component_evicted_seqlens",
+                                          "kv.cache_protected_len", "kv.swa_evict_floor"};
+
 struct Names {
-  PyObject *decode_batch_idx, *kv, *req_pool_idx, *origin_input_ids, *output_ids, *component_evicted_seqlens,
-      *cache_protected_len, *swa_evict_floor;
+  PyObject *decode_batch_idx, *kv, *origin_input_ids, *output_ids;
+  PyObject* kv_fields[RequestClasses::kNumKvFields];
   Names()
       : decode_batch_idx(PyUnicode_InternFromString("decode_batch_idx")),
         kv(PyUnicode_InternFromString("kv")),
-        req_pool_idx(PyUnicode_InternFromString("req_pool_idx")),
         origin_input_ids(PyUnicode_InternFromString("origin_input_ids")),
-        output_ids(PyUnicode_InternFromString("output_ids")),
-        component_evicted_seqlens(PyUnicode_InternFromString("component_evicted_seqlens")),
-        cache_protected_len(PyUnicode_InternFromString("cache_protected_len")),
-        swa_evict_floor(PyUnicode_InternFromString("swa_evict_floor")) {}
+        output_ids(PyUnicode_InternFromString("output_ids")) {
+    for (int f = 0; f < RequestClasses::kNumKvFields; ++f) kv_fields[f] = PyUnicode_InternFromString(kKvFields[f]);
+  }
 };
 const Names& names() {
   static const Names interned;  // made under the GIL on the first call, kept for the process
@@ -68,6 +74,16 @@ py::object attr(PyObject* obj, PyObject* name, int64_t index, const char* what) 
   PyObject* value = PyObject_GetAttr(obj, name);
   if (value == nullptr) refuse_on_python_error(index, what);
   return py::reinterpret_steal<py::object>(value);
+}
+
+// A field of a request's KV state: from its slot where ReqKvInfo keeps it in one (what
+// the attribute read finds there, without the lookup), else through the attribute.
+py::object kv_field(const RequestClasses& classes, PyObject* kv, RequestClasses::KvField field, int64_t index) {
+  const Py_ssize_t offset = classes.kv_slot_offsets[field];
+  if (offset < 0) return attr(kv, names().kv_fields[field], index, kKvFieldLabels[field]);
+  PyObject* value = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(kv) + offset);
+  if (value == nullptr) throw Refusal{"request " + std::to_string(index) + " has no " + kKvFieldLabels[field]};
+  return py::reinterpret_borrow<py::object>(value);
 }
 
 // An int (or anything with __index__, a numpy integer say) in [lo, kMaxLength).
@@ -131,7 +147,6 @@ PyObject* evicted_entry(const RequestClasses& classes, PyObject* lengths, int64_
 // could change the list.
 void read(const RequestClasses& classes, PyObject* reqs, int64_t window, int64_t interval,
           const swa::PageGeometry& page, DueRequests& due) {
-  const Names& name = names();
   const auto* req_type = reinterpret_cast<PyTypeObject*>(classes.req_type.ptr());
   const auto* kv_type = reinterpret_cast<PyTypeObject*>(classes.kv_type.ptr());
   for (int64_t i = 0; i < PySequence_Fast_GET_SIZE(reqs); ++i) {
@@ -146,22 +161,22 @@ void read(const RequestClasses& classes, PyObject* reqs, int64_t window, int64_t
     PyObject* kv = required(fields.kv, i, "kv");
     if (Py_TYPE(kv) != kv_type)
       throw Refusal{"a request's KV state of type " + type_name(kv) + ", not SGLang's ReqKvInfo"};
-    const py::object row = attr(kv, name.req_pool_idx, i, "kv.req_pool_idx");
+    const py::object row = kv_field(classes, kv, RequestClasses::kRow, i);
     if (row.is_none()) continue;  // holds no KV
     const int64_t pre_len = seqlen(fields, i) - 1;
-    py::object lengths = attr(kv, name.component_evicted_seqlens, i, "kv.component_evicted_seqlens");
+    py::object lengths = kv_field(classes, kv, RequestClasses::kEvictedLengths, i);
     if (!PyDict_CheckExact(lengths.ptr()))
       throw Refusal{"a request's component_evicted_seqlens of type " + type_name(lengths.ptr()) + ", not a dict"};
     PyObject* entry = evicted_entry(classes, lengths.ptr(), i);
     const int64_t evicted = entry == nullptr ? 0 : length(entry, 0, i, "SWA evicted length");
     if (!swa::window_eviction_due(evicted, pre_len, window, interval)) continue;
-    const int64_t protected_len =
-        length(attr(kv, name.cache_protected_len, i, "kv.cache_protected_len").ptr(), 0, i, "kv.cache_protected_len");
-    const int64_t floor =
-        length(attr(kv, name.swa_evict_floor, i, "kv.swa_evict_floor").ptr(), 0, i, "kv.swa_evict_floor");
+    const int64_t protected_len = length(kv_field(classes, kv, RequestClasses::kProtectedLen, i).ptr(), 0, i,
+                                         kKvFieldLabels[RequestClasses::kProtectedLen]);
+    const int64_t floor = length(kv_field(classes, kv, RequestClasses::kEvictFloor, i).ptr(), 0, i,
+                                 kKvFieldLabels[RequestClasses::kEvictFloor]);
     const int64_t dead_lo = swa::swa_dead_lo(protected_len, floor, page);
     due.index.push_back(i);
-    due.row.push_back(length(row.ptr(), 0, i, "kv.req_pool_idx"));
+    due.row.push_back(length(row.ptr(), 0, i, kKvFieldLabels[RequestClasses::kRow]));
     due.pre_len.push_back(pre_len);
     due.evicted.push_back(evicted);
     due.has_entry.push_back(entry != nullptr);
@@ -195,6 +210,17 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
       throw py::type_error(std::string(reinterpret_cast<PyTypeObject*>(owner->ptr())->tp_name) + " has no " + method +
                            ": not SGLang's class");
     methods.push_back(Method{*owner, name, py::reinterpret_borrow<py::object>(found)});
+  }
+  // The KV state's fields kept in slots: read there while the class's descriptors stay.
+  for (int f = 0; f < kNumKvFields; ++f) {
+    py::str name(kKvFields[f]);
+    PyObject* found = class_attribute(kv_type, name);
+    kv_slot_offsets[f] = -1;
+    if (found == nullptr || !Py_IS_TYPE(found, &PyMemberDescr_Type)) continue;
+    const PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(found)->d_member;
+    if (member->type != T_OBJECT_EX) continue;
+    kv_slot_offsets[f] = member->offset;
+    methods.push_back(Method{kv_type, name, py::reinterpret_borrow<py::object>(found)});
   }
   // The Req fields read from the instance dict: the class must define none of them.
   for (const char* plain : {"decode_batch_idx", "kv", "origin_input_ids", "output_ids"}) {

@@ -36,6 +36,10 @@ struct RequestClasses {
     py::object owner, name, found;  // found: None for a name the class must not define
   };
   std::vector<Method> methods;  // the class attributes read in place, as found
+  // Where a ReqKvInfo keeps each field it stores in a slot (its member descriptor's
+  // offset; -1: read through the attribute), in KvField order.
+  enum KvField { kRow, kEvictedLengths, kProtectedLen, kEvictFloor, kNumKvFields };
+  Py_ssize_t kv_slot_offsets[kNumKvFields];
 };
 
 // The due requests of one decode batch that hold KV, in batch order: what SGLang's loop
