@@ -154,8 +154,11 @@ def test_an_existing_output_is_kept_until_the_run_succeeds(tmp_path, capsys, mon
 def _interrupted(args, tmp_path, ready: str, stream: str, module="swa_ext"):
     """Runs ``python -m MODULE ARGS`` without a terminal, sends SIGINT once a line
     starting with ``ready`` appears on ``stream``, and returns (exit status, stderr lines)."""
+    # SIGINT back to its default in the child: a shell's background job (nohup ... &)
+    # ignores it, and Python then never turns it into KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     watched = proc.stdout if stream == "stdout" else proc.stderr
     for line in watched:
         if line.startswith(ready):
