@@ -282,5 +282,5 @@ if __name__ == "__main__":
 
 def out_of_window_frees(calls):
     """Requests whose out-of-window SWA KV a decode node freed: one free_swa_segment each
-    on SGLang's loop, one row of the batched native call each under swa_ext's hook."""
+    on SGLang's loop, one each among those the hook's batched native calls freed from."""
     return calls.get("free_swa_segment", 0) + calls.get("evict_out_of_window_rows", 0)

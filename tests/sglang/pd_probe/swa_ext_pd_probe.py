@@ -83,27 +83,32 @@ def _count_allocator_calls():
 
 def _count_hook_evictions(counts, write):
     """swa_ext's scheduler hook frees out-of-window SWA KV for the whole decode batch in
-    one native call (not through the allocator's methods): count the calls and the
-    requests they freed from."""
+    one native call (not through the allocator's methods): count the calls that freed
+    pages and the requests they freed from."""
     try:
-        from swa_ext import _C
+        from swa_ext.sglang import hooks
     except ImportError:  # SGLang's allocator alone: its own loop frees through free_swa_segment
         return
-    evict = _C.evict_out_of_window
+    eviction = hooks._eviction
 
-    @functools.wraps(evict)
-    def counted(alloc, req_to_token, rows, *args, **kwargs):
-        result = evict(alloc, req_to_token, rows, *args, **kwargs)
-        with _lock:
-            counts["evict_out_of_window"] = counts.get("evict_out_of_window", 0) + 1
-            counts["evict_out_of_window_rows"] = counts.get("evict_out_of_window_rows", 0) + len(rows)
-            # No size read here: in lockstep the shadow makes SGLang's frees only after this
-            # call returns, and a read now would compare the two halfway. The free group's
-            # end, counted above, records the sizes.
-            write()
-        return result
+    class CountedEviction:
+        def evict(self, alloc, reqs, req_to_token, window, interval, prefix_sharing, free_group=True, record=None):
+            seen = [] if record is None else record
+            already = len(seen)
+            reason = eviction.evict(alloc, reqs, req_to_token, window, interval, prefix_sharing,
+                                    free_group=free_group, record=seen)
+            freed = sum(end > start for _, start, end in seen[already:])
+            if freed:
+                with _lock:
+                    counts["evict_out_of_window"] = counts.get("evict_out_of_window", 0) + 1
+                    counts["evict_out_of_window_rows"] = counts.get("evict_out_of_window_rows", 0) + freed
+                    # No size read here: in lockstep the shadow makes SGLang's frees only after
+                    # this call returns, and a read now would compare the two halfway. The free
+                    # group's end, counted above, records the sizes.
+                    write()
+            return reason
 
-    _C.evict_out_of_window = counted  # the hook looks it up on the module at each call
+    hooks._eviction = CountedEviction()  # the hook looks it up on its module at each call
 
 
 def _measure_sent_bytes():
