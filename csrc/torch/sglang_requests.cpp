@@ -9,13 +9,13 @@ namespace {
 // Lengths past this take SGLang's loop: below it no sum or difference of two overflows.
 constexpr int64_t kMaxLength = int64_t{1} << 62;
 
-// An attribute name, interned once (the lookups then compare pointers).
-// A KV state's fields the reader reads, in RequestClasses::KvField order, as errors name them.
+// A KV state's fields the reader reads, in RequestClasses::KvField order, and as errors name them.
 constexpr const char* kKvFields[] = {"req_pool_idx", "component_evicted_seqlens", "cache_protected_len",
                                      "swa_evict_floor"};
 constexpr const char* kKvFieldLabels[] = {"kv.req_pool_idx", "kv.component_evicted_seqlens",
                                           "kv.cache_protected_len", "kv.swa_evict_floor"};
 
+// The attribute names, interned once (the lookups then compare pointers).
 struct Names {
   PyObject *decode_batch_idx, *kv, *origin_input_ids, *output_ids;
   PyObject* kv_fields[RequestClasses::kNumKvFields];
@@ -185,13 +185,11 @@ void read(const RequestClasses& classes, PyObject* reqs, int64_t window, int64_t
   }
 }
 
-}  // namespace
-
-namespace {
 // What a class's attribute is now (a borrowed reference, nullptr when it has none).
 PyObject* class_attribute(const py::object& owner, const py::object& name) {
   return _PyType_Lookup(reinterpret_cast<PyTypeObject*>(owner.ptr()), name.ptr());
 }
+
 }  // namespace
 
 RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
@@ -232,7 +230,7 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
   }
 }
 
-std::string RequestClasses::replaced_method() const {
+std::string RequestClasses::changed_attribute() const {
   for (const Method& m : methods)
     if (class_attribute(m.owner, m.name) != (m.found.is_none() ? nullptr : m.found.ptr()))
       return std::string(reinterpret_cast<PyTypeObject*>(m.owner.ptr())->tp_name) + "." +
@@ -253,8 +251,8 @@ void DueRequests::clear() {
 std::string read_due_requests(const RequestClasses& classes, py::handle reqs, int64_t window, int64_t interval,
                               const swa::PageGeometry& page, DueRequests& due) {
   due.clear();
-  std::string replaced = classes.replaced_method();
-  if (!replaced.empty()) return replaced;
+  std::string changed = classes.changed_attribute();
+  if (!changed.empty()) return changed;
   // A list is read in place; any other sequence through one fast copy.
   const py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(reqs.ptr(), "reqs: expected a sequence"));
   if (!seq) throw py::error_already_set();

@@ -27,7 +27,7 @@ namespace py = pybind11;
 struct RequestClasses {
   RequestClasses(py::object req_type, py::object kv_type, py::object swa_component);
   // "" or which of the class attributes below changed since.
-  std::string replaced_method() const;
+  std::string changed_attribute() const;
   py::object req_type;       // sglang.srt.managers.schedule_batch.Req
   py::object kv_type;        // ReqKvInfo, a Req's `kv`
   py::object swa_component;  // ComponentType.SWA, the key of the SWA evicted length
