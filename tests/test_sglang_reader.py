@@ -291,6 +291,10 @@ def test_bad_arguments_are_named_and_change_nothing():
         evict.evict(batch.alloc, batch.reqs, batch.req_to_token, 0, 1, True)
     with pytest.raises(ValueError, match="interval: must be >= 1"):
         evict.evict(batch.alloc, batch.reqs, batch.req_to_token, WINDOW, 0, True)
+    with pytest.raises(ValueError, match=r"window: must be below 2\*\*62"):  # the due test could overflow
+        evict.evict(batch.alloc, batch.reqs, batch.req_to_token, 2**63 - 1, 1, True)
+    with pytest.raises(ValueError, match=r"interval: must be below 2\*\*62"):
+        evict.evict(batch.alloc, batch.reqs, batch.req_to_token, WINDOW, 2**62, True)
     with pytest.raises(TypeError, match="record: expected a list or None"):
         evict.evict(batch.alloc, batch.reqs, batch.req_to_token, WINDOW, 1, True, record=())
     with pytest.raises(TypeError, match="reqs: expected a sequence"):

@@ -158,13 +158,10 @@ SWA_HD int64_t swa_tail_len(int64_t seq_len, int64_t window, const PageGeometry&
   return seq_len - page.floor(start);
 }
 
-// Window eviction during decode: the new evicted length of a request whose committed
-// length is pre_len; equal to `evicted` when nothing is due. It runs for every request of
-// every decode step, so it takes the page geometry made once per call, not a page size.
 // Whether a request's window eviction is due: `interval` tokens have left the window since
 // its evicted length (SGLang's _swa_eviction_trigger). Written as pre_len - window >=
-// evicted + interval rearranged so that no step overflows: with 0 <= evicted, pre_len and
-// window, interval >= 1 (checked by the callers).
+// evicted + interval rearranged so that no step overflows, given window, interval >= 1
+// and either 0 <= evicted <= pre_len or all four below 2**62 (the callers check one).
 SWA_HD bool window_eviction_due(int64_t evicted, int64_t pre_len, int64_t window, int64_t interval) {
   return pre_len - evicted - window >= interval;
 }
@@ -177,6 +174,9 @@ SWA_HD int64_t swa_dead_lo(int64_t protected_len, int64_t evict_floor, const Pag
   return page.size > 1 ? page.pages_for(evict_floor) * page.size : evict_floor;
 }
 
+// Window eviction during decode: the new evicted length of a request whose committed
+// length is pre_len; equal to `evicted` when nothing is due. It runs for every request of
+// every decode step, so it takes the page geometry made once per call, not a page size.
 SWA_HD int64_t evicted_after_step(int64_t evicted, int64_t pre_len, int64_t window, const PageGeometry& page,
                                   int64_t interval, bool prefix_sharing) {
   if (!window_eviction_due(evicted, pre_len, window, interval)) return evicted;

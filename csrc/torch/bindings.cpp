@@ -427,7 +427,7 @@ at::Tensor evict_out_of_window(HybridHandle& h, const py::object& req_to_token, 
 // The decode branch of SGLang's ScheduleBatch.maybe_evict_swa for a whole batch
 // (swa_ext/sglang/hooks.py): the due requests read from the batch's own objects, their
 // out-of-window pages freed by one evict_out_of_window, their evicted lengths written
-// back. Its lists are kept from step to step.
+// back.
 class SGLangWindowEviction {
  public:
   SGLangWindowEviction(py::object req_type, py::object kv_type, py::object swa_component)
@@ -440,8 +440,11 @@ class SGLangWindowEviction {
   // are its own: a CUDA allocator's wait lets another thread in with the same reader.
   py::object evict(HybridHandle& h, const py::object& reqs, const py::object& req_to_token, int64_t window,
                    int64_t interval, bool prefix_sharing, bool free_group, const py::object& record) const {
-    swa::check_at_least_one("window", window);
-    swa::check_at_least_one("interval", interval);
+    // A request's lengths may be anything below 2**62 here (the reader refuses the rest),
+    // so these are bounded too: then the due test cannot overflow.
+    for (const auto& [arg, value] : {std::pair<const char*, int64_t>{"window", window}, {"interval", interval}})
+      if (swa::check_at_least_one(arg, value) >= swa_sglang::kMaxLength)
+        swa::fail(arg, "must be below 2**62, got ", value);
     if (!record.is_none() && !PyList_Check(record.ptr())) throw py::type_error("record: expected a list or None");
     const swa::PageGeometry page(h.alloc->page_size());
     swa_sglang::DueRequests due;

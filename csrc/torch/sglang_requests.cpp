@@ -6,24 +6,22 @@ namespace swa_sglang __attribute__((visibility("hidden"))) {
 
 namespace {
 
-// Lengths past this take SGLang's loop: below it no sum or difference of two overflows.
-constexpr int64_t kMaxLength = int64_t{1} << 62;
-
 // A KV state's fields the reader reads, in RequestClasses::KvField order, and as errors name them.
 constexpr const char* kKvFields[] = {"req_pool_idx", "component_evicted_seqlens", "cache_protected_len",
                                      "swa_evict_floor"};
 constexpr const char* kKvFieldLabels[] = {"kv.req_pool_idx", "kv.component_evicted_seqlens",
                                           "kv.cache_protected_len", "kv.swa_evict_floor"};
 
+// A Req's attributes the reader reads from its instance dict, in RequestFields order.
+constexpr const char* kReqFields[] = {"decode_batch_idx", "kv", "origin_input_ids", "output_ids"};
+constexpr int kNumReqFields = 4;
+
 // The attribute names, interned once (the lookups then compare pointers).
 struct Names {
-  PyObject *decode_batch_idx, *kv, *origin_input_ids, *output_ids;
+  PyObject* req_fields[kNumReqFields];
   PyObject* kv_fields[RequestClasses::kNumKvFields];
-  Names()
-      : decode_batch_idx(PyUnicode_InternFromString("decode_batch_idx")),
-        kv(PyUnicode_InternFromString("kv")),
-        origin_input_ids(PyUnicode_InternFromString("origin_input_ids")),
-        output_ids(PyUnicode_InternFromString("output_ids")) {
+  Names() {
+    for (int f = 0; f < kNumReqFields; ++f) req_fields[f] = PyUnicode_InternFromString(kReqFields[f]);
     for (int f = 0; f < RequestClasses::kNumKvFields; ++f) kv_fields[f] = PyUnicode_InternFromString(kKvFields[f]);
   }
 };
@@ -57,9 +55,8 @@ struct RequestFields {
 
 RequestFields request_fields(PyObject* req_dict, int64_t index) {
   const Names& name = names();
-  PyObject* const keys[] = {name.decode_batch_idx, name.kv, name.origin_input_ids, name.output_ids};
-  PyObject* found[4];
-  for (int k = 0; k < 4; ++k) found[k] = PyDict_GetItemWithError(req_dict, keys[k]);
+  PyObject* found[kNumReqFields];
+  for (int f = 0; f < kNumReqFields; ++f) found[f] = PyDict_GetItemWithError(req_dict, name.req_fields[f]);
   if (PyErr_Occurred()) refuse_on_python_error(index, "attributes");
   const auto held = [](PyObject* value) { return py::reinterpret_borrow<py::object>(value); };
   return RequestFields{held(found[0]), held(found[1]), held(found[2]), held(found[3])};
@@ -86,20 +83,27 @@ py::object kv_field(const RequestClasses& classes, PyObject* kv, RequestClasses:
   return py::reinterpret_borrow<py::object>(value);
 }
 
-// An int (or anything with __index__, a numpy integer say) in [lo, kMaxLength).
-int64_t length(PyObject* value, int64_t lo, int64_t index, const char* what) {
-  int overflow = 0;
+// An int (or anything with __index__, a numpy integer say) as a long long; overflow: the
+// sign of a value past its range (then the value is meaningless), else 0.
+long long int_value(PyObject* value, int64_t index, const char* what, int& overflow) {
+  overflow = 0;
   long long v;
   if (PyLong_Check(value)) {
     v = PyLong_AsLongLongAndOverflow(value, &overflow);
   } else {
     const py::object held = py::reinterpret_borrow<py::object>(value);  // __index__ may run Python code
-    PyObject* as_int = PyNumber_Index(value);
-    if (as_int == nullptr) refuse_on_python_error(index, what);
-    v = PyLong_AsLongLongAndOverflow(as_int, &overflow);
-    Py_DECREF(as_int);
+    const py::object as_int = py::reinterpret_steal<py::object>(PyNumber_Index(value));
+    if (!as_int) refuse_on_python_error(index, what);
+    v = PyLong_AsLongLongAndOverflow(as_int.ptr(), &overflow);
   }
   if (v == -1 && PyErr_Occurred()) refuse_on_python_error(index, what);
+  return v;
+}
+
+// An int in [lo, kMaxLength).
+int64_t length(PyObject* value, int64_t lo, int64_t index, const char* what) {
+  int overflow;
+  const long long v = int_value(value, index, what, overflow);
   if (overflow != 0 || v < lo || v >= kMaxLength)
     throw Refusal{"request " + std::to_string(index) + "'s " + what + " is outside [" + std::to_string(lo) +
                   ", 2**62)"};
@@ -109,11 +113,8 @@ int64_t length(PyObject* value, int64_t lo, int64_t index, const char* what) {
 // decode_batch_idx >= 1: under the overlap scheduler the extend batch before a request's
 // first decode step may still be running.
 bool past_first_decode(PyObject* value, int64_t index) {
-  const py::object held = py::reinterpret_borrow<py::object>(value);  // __index__ may run Python code
-  const py::object as_int = py::reinterpret_steal<py::object>(PyNumber_Index(value));
-  if (!as_int) refuse_on_python_error(index, "decode_batch_idx");
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(as_int.ptr(), &overflow);
+  int overflow;
+  const long long v = int_value(value, index, "decode_batch_idx", overflow);
   return overflow > 0 || (overflow == 0 && v >= 1);
 }
 
@@ -221,7 +222,7 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
     methods.push_back(Method{kv_type, name, py::reinterpret_borrow<py::object>(found)});
   }
   // The Req fields read from the instance dict: the class must define none of them.
-  for (const char* plain : {"decode_batch_idx", "kv", "origin_input_ids", "output_ids"}) {
+  for (const char* plain : kReqFields) {
     py::str name(plain);
     if (class_attribute(req_type, name) != nullptr)
       throw py::type_error(std::string(reinterpret_cast<PyTypeObject*>(req_type.ptr())->tp_name) + "." + plain +

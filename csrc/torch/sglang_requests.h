@@ -17,6 +17,9 @@ namespace swa_sglang __attribute__((visibility("hidden"))) {
 
 namespace py = pybind11;
 
+// Lengths at or past this take SGLang's loop: below it no sum or difference of two overflows.
+constexpr int64_t kMaxLength = int64_t{1} << 62;
+
 // The SGLang classes whose objects the reader reads, fixed when the hook is installed.
 // The reader reads their fields where SGLang's methods would: Req.seqlen as
 // len(origin_input_ids) + len(output_ids), ReqKvInfo's get/set_evicted_seqlen as its

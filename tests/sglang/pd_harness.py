@@ -274,13 +274,14 @@ def run_engine(spec, result_path):
         json.dump({"rounds": rounds}, f)
 
 
+def out_of_window_frees(calls):
+    """Requests whose out-of-window SWA KV a decode node freed: one free_swa_segment each
+    on SGLang's loop, one each among those the hook's batched native calls freed from."""
+    return calls.get("free_swa_segment", 0) + calls.get("evict_out_of_window_rows", 0)
+
+
 if __name__ == "__main__":
     assert sys.argv[1] == "engine", sys.argv
     with open(sys.argv[2]) as f:
         run_engine(json.load(f), sys.argv[3])
 
-
-def out_of_window_frees(calls):
-    """Requests whose out-of-window SWA KV a decode node freed: one free_swa_segment each
-    on SGLang's loop, one each among those the hook's batched native calls freed from."""
-    return calls.get("free_swa_segment", 0) + calls.get("evict_out_of_window_rows", 0)
