@@ -113,11 +113,13 @@ void PoolAllocator::free_segment(Span indices, int64_t start_pos) {
 }
 
 void PoolAllocator::free_group_begin() {
+  store_->check_usable();
   check_group_begin(store_->group_open());
   store_->set_group_open(true);
 }
 
 void PoolAllocator::free_group_end() {
+  store_->check_usable();
   check_group_end(store_->group_open());
   end_group(*store_, kPoolGroupOrder);
 }
@@ -261,12 +263,14 @@ void HybridAllocator::free_full_segment(Span indices, int64_t start_pos) {
 }
 
 void HybridAllocator::free_group_begin() {
+  store_->check_usable();
   check_group_begin(full().group_open() || swa().group_open());
   full().set_group_open(true);
   swa().set_group_open(true);  // holds the SWA-side frees until the group ends
 }
 
 void HybridAllocator::free_group_end() {
+  store_->check_usable();
   check_group_end(full().group_open() && swa().group_open());
   end_group(swa(), kSwaGroupOrder);
   end_group(full(), kPoolGroupOrder);

@@ -23,13 +23,63 @@ constexpr StateWord kQueuedByIndex = state_word(PageState::kQueuedByIndex);
 constexpr StateWord kQueuedByPage = state_word(PageState::kQueuedByPage);
 constexpr StateWord kClaimed = state_word(PageState::kClaimed);
 
+// Words that several elements of one launch may touch at once. On a GPU, its atomics
+// (and volatile loads, which no cache keeps stale); on the host, the compiler's atomic
+// builtins, because the emulated executor may run a launch's elements on several
+// threads: it then does what the GPU does, and ThreadSanitizer sees every such access.
 SWA_HD StateWord compare_and_swap(StateWord* word, StateWord expected, StateWord desired) {
 #if defined(__CUDA_ARCH__)
   return atomicCAS(reinterpret_cast<int*>(word), expected, desired);
 #else
-  const StateWord old = *word;
-  if (old == expected) *word = desired;
-  return old;
+  __atomic_compare_exchange_n(word, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return expected;  // the value found
+#endif
+}
+
+SWA_HD int64_t load_shared(const int64_t* word) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const volatile int64_t*>(word);
+#else
+  return __atomic_load_n(word, __ATOMIC_RELAXED);
+#endif
+}
+
+SWA_HD void store_shared(int64_t* word, int64_t value) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<volatile int64_t*>(word) = value;
+#else
+  __atomic_store_n(word, value, __ATOMIC_RELAXED);
+#endif
+}
+
+SWA_HD void raise_to(int64_t* word, int64_t value) {
+#if defined(__CUDA_ARCH__)
+  atomicMax(reinterpret_cast<long long*>(word), static_cast<long long>(value));
+#else
+  int64_t seen = __atomic_load_n(word, __ATOMIC_RELAXED);
+  while (seen < value && !__atomic_compare_exchange_n(word, &seen, value, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+#endif
+}
+
+// A lock for the rare writes of several words at once (the error record).
+SWA_HD void lock(int64_t* word) {
+#if defined(__CUDA_ARCH__)
+  while (atomicCAS(reinterpret_cast<unsigned long long*>(word), 0ull, 1ull) != 0ull) {
+  }
+  __threadfence();
+#else
+  while (__atomic_exchange_n(word, int64_t{1}, __ATOMIC_ACQUIRE) != 0) {
+  }
+#endif
+}
+
+SWA_HD void unlock(int64_t* word) {
+#if defined(__CUDA_ARCH__)
+  __threadfence();
+  atomicExch(reinterpret_cast<unsigned long long*>(word), 0ull);
+#else
+  __atomic_store_n(word, int64_t{0}, __ATOMIC_RELEASE);
 #endif
 }
 
@@ -38,9 +88,16 @@ SWA_HD StateWord compare_and_swap(StateWord* word, StateWord expected, StateWord
 // the host flips which copy is current.
 enum CtlWord : int64_t { kHead, kFreeCount, kStagedCount, kGroupIndexCount, kGroupPageCount, kCtlWords = 8 };
 
-// The first error an op meets: what, in which call, which argument, entry, value and
-// what else the host needs to word it as the CPU core does.
-enum ErrorWord : int64_t { kErrCode, kErrCall, kErrArg, kErrEntry, kErrValue, kErrDetail, kErrKind, kErrWords = 8 };
+// The error a call's ops met: what, in which call, which argument, entry, value and
+// what else the host needs to word it as the CPU core does. Of several errors, the
+// record keeps the first launch's, and within that launch the one of the lowest order
+// (the entry, or where the CPU core makes one check of every entry before another,
+// that check's rank first: order_after_range_checks), whatever order the elements ran
+// in, so that the message is the CPU store's.
+enum ErrorWord : int64_t {
+  kErrCode, kErrCall, kErrArg, kErrEntry, kErrValue, kErrDetail, kErrKind, kErrLaunch, kErrOrder, kErrLock,
+  kErrWords = 10
+};
 enum ErrorCode : int64_t {
   kNoError,
   kSlotOutOfPool,     // value: the slot
@@ -53,30 +110,40 @@ enum ErrorCode : int64_t {
   kCountsOff,         // value: the pages a launch would place or take; detail: what the counters allow
 };
 
-SWA_HD void report(int64_t* error, int64_t code, int64_t call, int64_t arg, int64_t entry, int64_t value,
-                   int64_t detail, int64_t kind) {
-#if defined(__CUDA_ARCH__)
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(error), 0ull, static_cast<unsigned long long>(code)) != 0ull)
-    return;
-#else
-  if (error[kErrCode] != kNoError) return;
-  error[kErrCode] = code;
-#endif
-  error[kErrCall] = call;
-  error[kErrArg] = arg;
-  error[kErrEntry] = entry;
-  error[kErrValue] = value;
-  error[kErrDetail] = detail;
-  error[kErrKind] = kind;
+// An error found by a check the CPU core makes of every entry after another check of
+// every entry ranks after all errors of the first check.
+constexpr int64_t kAfterRangeChecks = int64_t{1} << 48;
+
+SWA_HD int64_t error_code(const int64_t* error) { return load_shared(error + kErrCode); }
+
+struct ErrorReport {
+  int64_t code, call, arg, entry, value, detail, kind, launch, order;
+};
+
+SWA_HD void report(int64_t* error, const ErrorReport& r) {
+  if (error_code(error) != kNoError && load_shared(error + kErrLaunch) != r.launch) return;  // an earlier launch's
+  lock(error + kErrLock);
+  const int64_t held = error_code(error);
+  if (held == kNoError || (load_shared(error + kErrLaunch) == r.launch && r.order < load_shared(error + kErrOrder))) {
+    const int64_t words[] = {r.code, r.call, r.arg, r.entry, r.value, r.detail, r.kind, r.launch, r.order};
+    for (int64_t w = 0; w < kErrLock; ++w) store_shared(error + w, words[w]);
+  }
+  unlock(error + kErrLock);
 }
 
-// Where the call that reports is and which argument it blames.
+// Where the call that reports is, which argument it blames, and which launch (the
+// host numbers them) reports.
 struct Origin {
   int64_t* error;
   int64_t call;
   int64_t arg;
+  int64_t launch;
   SWA_HD void fail(int64_t code, int64_t entry, int64_t value, int64_t detail = 0, int64_t kind = 0) const {
-    report(error, code, call, arg, entry, value, detail, kind);
+    fail_in_order(entry, code, entry, value, detail, kind);
+  }
+  SWA_HD void fail_in_order(int64_t order, int64_t code, int64_t entry, int64_t value, int64_t detail = 0,
+                            int64_t kind = 0) const {
+    report(error, ErrorReport{code, call, arg, entry, value, detail, kind, launch, order});
   }
 };
 
@@ -214,7 +281,7 @@ struct AllocSlotsOp {
     if (i == 0) {
       full.take_ctl(fits ? need_full : 0);
       if (check.hybrid) swa.take_ctl(fits ? need_swa : 0);
-      if (!fits) check.origin.fail(kCountsOff, 0, need_full, full.ctl_in[kFreeCount]);
+      if (!fits) check.origin.fail_in_order(-1, kCountsOff, 0, need_full, full.ctl_in[kFreeCount]);
     }
     const int64_t j = find_request(batch.words, batch.size, i);
     const int64_t t = i - batch.token_begin(j), prefix = batch.prefix(j), seq = batch.seq(j);
@@ -252,10 +319,12 @@ enum class ClaimSource : int32_t {
 };
 
 // Marks a page claimed by the call in progress, or reports why it cannot be freed.
-SWA_HD bool claim_page(const PoolView& pool, int64_t p, bool repeat_ok, const Origin& origin, int64_t entry) {
+// order: the refusal's rank in the error record (Origin).
+SWA_HD bool claim_page(const PoolView& pool, int64_t p, bool repeat_ok, const Origin& origin, int64_t entry,
+                       int64_t order) {
   const StateWord old = compare_and_swap(&pool.state[p], kHeld, kClaimed);
   if (old == kHeld || repeats_a_claim(static_cast<PageState>(old), repeat_ok)) return old == kHeld;
-  origin.fail(kClaimRefused, entry, p, old);
+  origin.fail_in_order(order, kClaimRefused, entry, p, old);
   return false;
 }
 
@@ -292,7 +361,9 @@ struct ClaimOp {
       }
       p = pool.page.page(slot);
     }
-    return claim_page(pool, p, repeat_ok, origin, i) ? p : 0;
+    // The CPU core checks every page id's range before it claims any.
+    const int64_t order = source == ClaimSource::kPageId ? kAfterRangeChecks + i : i;
+    return claim_page(pool, p, repeat_ok, origin, i, order) ? p : 0;
   }
 };
 
@@ -307,7 +378,7 @@ SWA_HD void claim_swa_of_rep(const PoolView& full, const PoolView& swa, const in
   if (swa_slot <= 0) return origin.fail(kUnmapped, entry, full_slot);
   if (!swa.holds_slot(swa_slot)) return origin.fail(kSlotOutOfPool, entry, swa_slot);
   const int64_t p = swa.page.page(swa_slot);
-  if (claim_page(swa, p, false, origin, entry)) {
+  if (claim_page(swa, p, false, origin, entry, entry)) {
     swa_list[dest] = p;
     full_pages[dest] = full.page.page(full_slot);
   }
@@ -336,7 +407,7 @@ struct ClaimSwaOp {
       const int64_t swa_slot = mapping[s];
       if (swa_slot <= 0) continue;
       if (!swa.holds_slot(swa_slot)) return origin.fail(kSlotOutOfPool, i, swa_slot);
-      claim_page(swa, swa.page.page(swa_slot), true, origin, i);
+      claim_page(swa, swa.page.page(swa_slot), true, origin, i, i);
     }
   }
 };
@@ -377,7 +448,8 @@ struct ClearMappedPagesOp {
   SWA_HD void operator()(int64_t i) const {
     const int64_t p = input_is_slots ? (slot_in_pool(input[i], page, num_pages) ? page.page(input[i]) : 0) : input[i];
     if (p < 1 || p > num_pages) return;
-    for (int64_t s = p * page.size; s < (p + 1) * page.size; ++s) mapping[s] = 0;
+    // Two slots of one page clear it twice, at once.
+    for (int64_t s = p * page.size; s < (p + 1) * page.size; ++s) store_shared(mapping + s, 0);
   }
 };
 
@@ -426,11 +498,11 @@ struct ReleaseOp {
     const int64_t* c = pool.ctl_in;
     // Element 0 reports only when every element finds n unplaceable, so an element that
     // reads that report refuses as it would have anyway.
-    const bool refused = origin.error[kErrCode] != kNoError;
+    const bool refused = error_code(origin.error) != kNoError;
     const bool placeable = n <= max_count && pool.has_room(count_word(dest), n);
     if (i == 0) {
       pool.copy_ctl();
-      if (!refused && !placeable) origin.fail(kCountsOff, 0, n, pool.num_pages - c[count_word(dest)]);
+      if (!refused && !placeable) origin.fail_in_order(-1, kCountsOff, 0, n, pool.num_pages - c[count_word(dest)]);
       if (!refused && placeable) {
         switch (dest) {
           case Destination::kPrepend:
@@ -532,21 +604,34 @@ struct TranslateOp {
   }
 };
 
-// set_full_to_swa_mapping (swa_input set; 0 there clears) and clear_full_to_swa_mapping.
-// An entry is written only when its values are in range; validate_only writes none.
+// set_full_to_swa_mapping (swa_input set; 0 there clears) and clear_full_to_swa_mapping,
+// in phases. A full index named twice keeps its last value, as on the CPU core, though
+// a GPU runs the writes of one launch in no order: kClaimEntries raises owner[f] to the
+// last entry naming f (plus one), then kWrite writes only that entry's value and zeroes
+// owner[f] again (owner is zero between calls). kValidate (debug mode) only checks.
+// An entry whose values are out of range is reported and written by no phase.
 struct SetMappingOp {
+  enum Phase : int32_t { kValidate, kClaimEntries, kWrite };
   int64_t* mapping;
+  int64_t* owner;  // [mapping length]
   PoolView full, swa;
   const int64_t* full_input;
   const int64_t* swa_input;  // null: clear
-  bool validate_only;
+  Phase phase;
   Origin full_origin, swa_origin;
   SWA_HD void operator()(int64_t i) const {
     const int64_t f = full_input[i];
-    if (!full.holds_slot(f)) return full_origin.fail(kSlotOutOfPool, i, f);
+    if (phase == kWrite) {
+      if (!full.holds_slot(f) || load_shared(owner + f) != i + 1) return;  // another entry's, or refused
+      mapping[f] = swa_input != nullptr ? swa_input[i] : 0;
+      store_shared(owner + f, 0);
+      return;
+    }
+    // The CPU core checks each entry's full index, then its SWA index.
+    if (!full.holds_slot(f)) return full_origin.fail_in_order(2 * i, kSlotOutOfPool, i, f);
     const int64_t s = swa_input != nullptr ? swa_input[i] : 0;
-    if (s != 0 && !swa.holds_slot(s)) return swa_origin.fail(kSlotOutOfPool, i, s);
-    if (!validate_only) mapping[f] = s;
+    if (s != 0 && !swa.holds_slot(s)) return swa_origin.fail_in_order(2 * i + 1, kSlotOutOfPool, i, s);
+    if (phase == kClaimEntries) raise_to(owner + f, i + 1);
   }
 };
 

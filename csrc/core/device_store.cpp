@@ -30,7 +30,16 @@ DeviceControl::DeviceControl(std::shared_ptr<Executor> executor, int num_pools, 
 
 void DeviceControl::detach(DevicePool* pool) { pools_.erase(std::find(pools_.begin(), pools_.end(), pool)); }
 
-void DeviceControl::check_usable() const {
+void DeviceControl::check_usable() {
+  if (poisoned_.empty() && !debug_) {  // (debug mode reads the record in every call)
+    executor_->watch_errors(words_);
+    const int64_t* record = executor_->landed_errors();
+    if (record != nullptr && record[dev::kErrCode] != dev::kNoError) poison(describe(record));
+  }
+  throw_if_poisoned();
+}
+
+void DeviceControl::throw_if_poisoned() const {
   if (!poisoned_.empty()) throw DeferredError(poisoned_);
 }
 
@@ -51,7 +60,7 @@ const int64_t* DeviceControl::finish_pending_readback() {
 void DeviceControl::resolve_counts() {
   const int64_t* record = finish_pending_readback();
   if (record != nullptr && record[dev::kErrCode] != dev::kNoError) poison(describe(record));
-  check_usable();
+  throw_if_poisoned();
 }
 
 std::string DeviceControl::take_error() {
@@ -89,10 +98,10 @@ bool DeviceControl::drop_claims() {
 }
 
 void DeviceControl::raise_found_errors() {
-  check_usable();
+  throw_if_poisoned();
   const std::string message = take_error();
   if (!message.empty()) poison(message);
-  check_usable();
+  throw_if_poisoned();
 }
 
 void DeviceControl::poison(const std::string& message) {
@@ -104,6 +113,7 @@ void DeviceControl::poison(const std::string& message) {
 void DeviceControl::reset() {
   finish_pending_readback();  // the pools just reset ignore it; any other pool still needs it
   clear_error_record();
+  executor_->forget_errors();  // copies of the record made before it was cleared
   poisoned_.clear();
 }
 
@@ -513,15 +523,21 @@ void DeviceHybridStore::translate(Span indices, int64_t* out) {
 
 void DeviceHybridStore::write_mapping(Span full_indices, const int64_t* swa_indices, Call call) {
   if (full_indices.size == 0) return;
-  dev::SetMappingOp op{mapping_, full_->view(), swa_->view(), full_indices.data, swa_indices, true,
-                       control_->origin(call, kArgFullIndices), control_->origin(call, kArgSwaIndices)};
   Executor& exec = control_->exec();
+  if (mapping_owner_ == nullptr) mapping_owner_ = exec.allocate(mapping_len_);  // zeroed: no owners
+  const dev::Origin full_origin = control_->origin(call, kArgFullIndices);
+  dev::Origin swa_origin = control_->origin(call, kArgSwaIndices);
+  swa_origin.launch = full_origin.launch;  // one launch checks both
+  dev::SetMappingOp op{mapping_, mapping_owner_, full_->view(), swa_->view(), full_indices.data, swa_indices,
+                       dev::SetMappingOp::kValidate, full_origin, swa_origin};
   if (control_->debug()) {
     exec.run(full_indices.size, op);
     control_->check_now();
   }
-  op.validate_only = false;
-  exec.run(full_indices.size, op);
+  for (const auto phase : {dev::SetMappingOp::kClaimEntries, dev::SetMappingOp::kWrite}) {
+    op.phase = phase;
+    exec.run(full_indices.size, op);
+  }
 }
 
 void DeviceHybridStore::set_mapping(Span full_indices, Span swa_indices) {

@@ -7,9 +7,11 @@
 //
 // Checks that need index values run on the device into an error record. With
 // debug=true (SWA_EXT_DEBUG=1) every call waits for them and a bad call raises before
-// it changes anything, as on the CPU. Otherwise the record is read where the host
-// waits anyway; a bad call found there raises DeferredError, and the allocator refuses
-// every call until clear() or restore_state(). Until the host reads it, the device
+// it changes anything, as on the CPU. Otherwise every call first enqueues a copy of the
+// record and reads the copies that have landed, without waiting (and the host reads the
+// record where it waits anyway): a bad call found so raises DeferredError in the next
+// call the device has caught up with, and the allocator refuses every call until clear()
+// or restore_state(). Until the host reads it, the device
 // keeps its pools whole: once the record holds an error no release moves a page or a
 // count (the refused call's claimed pages stay out of every list), and an allocation
 // takes only pages its free list holds, handing out slot 0 (the padding page) when the
@@ -42,15 +44,18 @@ class DeviceControl {
   Executor& exec() { return *executor_; }
   bool debug() const { return debug_; }
   int64_t* ctl(int pool) { return words_ + dev::kErrWords + 2 * dev::kCtlWords * pool; }
-  dev::Origin origin(Call call, Arg arg) { return dev::Origin{words_, call, arg}; }
+  // Each origin stands for one launch, numbered in the order they are made (and launched).
+  dev::Origin origin(Call call, Arg arg) { return dev::Origin{words_, call, arg, ++launches_}; }
   // A release's: it blames no argument (its counts come from the call's claims).
-  dev::Origin release_origin() { return dev::Origin{words_, -1, -1}; }
+  dev::Origin release_origin() { return dev::Origin{words_, -1, -1, ++launches_}; }
   void attach(DevicePool* pool) { pools_.push_back(pool); }
   // A pool going away (a hybrid allocator's pool view can outlive the other pool).
   void detach(DevicePool* pool);
 
-  // Throws the deferred error that poisoned the allocator, if any.
-  void check_usable() const;
+  // Every call's first step: throws the deferred error that poisoned the allocator, or
+  // that a copy of the error record which has landed holds (never waiting for one).
+  void check_usable();
+  void throw_if_poisoned() const;
   // Some counts are now known only on the device: read them back (asynchronously).
   void start_count_readback();
   // Waits for a pending read-back (the only wait on the hot path) and raises an error it carries.
@@ -89,6 +94,7 @@ class DeviceControl {
   std::string poisoned_;
   std::vector<std::function<void()>> deferred_claims_;
   bool claims_unconfirmed_ = false;  // launched, and their check raised
+  int64_t launches_ = 0;
 };
 
 // One pool in device memory; the page pool or the token pool (page size 1).
@@ -218,6 +224,7 @@ class DeviceHybridStore final : public HybridStore {
   std::shared_ptr<DevicePool> full_, swa_;
   int64_t* mapping_;
   int64_t mapping_len_;
+  int64_t* mapping_owner_ = nullptr;  // SetMappingOp's, made by the first set or clear
   int64_t* full_pages_;  // scratch: full pages whose mapping a free clears
   const int64_t* mapped_slots_ = nullptr;  // else full_pages_
   int64_t mapped_count_ = 0;

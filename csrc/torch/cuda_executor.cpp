@@ -1,7 +1,9 @@
 // Runs the device allocator's ops on a GPU: device memory from torch's caching
 // allocator, kernels (csrc/cuda) on torch's current stream, host inputs through a
 // persistent pinned staging ring (csrc/cuda/staging_ring.h) so that an upload neither
-// allocates nor waits, and count read-backs through a pinned buffer and an event.
+// allocates nor waits, count read-backs through a pinned buffer and an event, and the
+// error record watched through pinned copies read when they have landed
+// (csrc/cuda/error_watch.h), so that a caller's misuse surfaces without a wait.
 //
 // Errors: every CUDA status is read where its call returns (a launch's own return
 // value, never a stale cudaGetLastError()), and an error names the last op this
@@ -23,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "../cuda/error_watch.h"
+#include "../cuda/event_query.h"
 #include "../cuda/launch.h"
 #include "../cuda/staging_ring.h"
 
@@ -73,12 +77,20 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
+// The CUDA runtime as event_query.h asks it.
+struct CudaRuntime {
+  using Status = cudaError_t;
+  static constexpr Status kSuccess = cudaSuccess, kNotReady = cudaErrorNotReady;
+  Status query(cudaEvent_t event) const { return cudaEventQuery(event); }
+  void clear_last_error() const { cudaGetLastError(); }
+};
+
 class CudaExecutor : public Executor {
  public:
   // Constructed with device current (make_cuda_executor), so that the events belong to it.
   explicit CudaExecutor(const c10::Device& device)
       : device_(device), home_(at::cuda::getCurrentCUDAStream(device.index())), last_stream_(home_.stream()),
-        ring_(*this) {
+        ring_(*this), watch_device_{*this}, watch_(watch_device_, dev::kErrWords) {
     readback_ = static_cast<int64_t*>(alloc_host_bytes(sizeof(int64_t) * kReadbackWords));
   }
 
@@ -89,6 +101,7 @@ class CudaExecutor : public Executor {
     try {
       c10::cuda::CUDAGuard guard(device_);
       ring_.drain();
+      watch_.drain();
       if (readback_pending_) wait_for(readback_done_.get(), "read-back");
       join(home_.stream());
     } catch (const std::exception& e) {
@@ -139,6 +152,15 @@ class CudaExecutor : public Executor {
     return readback_;
   }
 
+  void watch_errors(const int64_t* record) override {
+    c10::cuda::CUDAGuard guard(device_);
+    watch_.watch(record);
+  }
+
+  const int64_t* landed_errors() override { return watch_.landed(); }
+
+  void forget_errors() override { watch_.forget(); }
+
   void select_pages(const dev::StateWord* state, int64_t num_pages, dev::StateWord a, dev::StateWord b, int64_t* out,
                     int64_t* count) override {
     c10::cuda::CUDAGuard guard(device_);
@@ -175,9 +197,31 @@ class CudaExecutor : public Executor {
   }
   void mark(int slot) { check(cudaEventRecord(slot_done_[slot].get(), current_), "upload"); }
   void wait(int slot) {  // a slot is due again: the GPU is that many uploads behind the host
-    if (cudaEventQuery(slot_done_[slot].get()) == cudaSuccess) return;
+    if (passed(slot_done_[slot].get(), "upload")) return;
     ++waits_;
     wait_for(slot_done_[slot].get(), "upload");
+  }
+
+  // The error watch's device (error_watch.h): copies on the current stream.
+  struct WatchDevice {
+    CudaExecutor& exec;
+    int64_t* alloc_host(int64_t words) { return exec.alloc_host(words); }
+    void free_host(int64_t* block) { cudaFreeHost(block); }
+    void copy_to_host_async(int64_t* dst, const int64_t* src, int64_t words) {
+      exec.watch_stream_ = exec.stream();
+      exec.check(cudaMemcpyAsync(dst, src, sizeof(int64_t) * words, cudaMemcpyDeviceToHost, exec.watch_stream_),
+                 "error record copy");
+    }
+    void mark(int slot) {
+      exec.check(cudaEventRecord(exec.watch_done_[slot].get(), exec.watch_stream_), "error record copy");
+    }
+    bool done(int slot) { return exec.passed(exec.watch_done_[slot].get(), "error record copy"); }
+    void wait(int slot) { exec.wait_for(exec.watch_done_[slot].get(), "error record copy"); }
+  };
+
+  // Whether event has passed, without waiting (and without leaving "not ready" behind).
+  bool passed(cudaEvent_t event, const char* what) const {
+    return cuda::event_passed(runtime_, event, [this, what](cudaError_t status) { check(status, what); });
   }
 
   void* alloc_host_bytes(size_t bytes) {
@@ -265,7 +309,12 @@ class CudaExecutor : public Executor {
   bool readback_pending_ = false;
   Event readback_done_, stream_switch_;
   Event slot_done_[cuda::StagingRing<CudaExecutor>::slots()];
-  cuda::StagingRing<CudaExecutor> ring_;  // last: freed first, after the destructor drained it
+  Event watch_done_[cuda::ErrorWatch<WatchDevice>::slots()];
+  cudaStream_t watch_stream_ = nullptr;  // of the error record copy in progress
+  CudaRuntime runtime_;
+  cuda::StagingRing<CudaExecutor> ring_;  // freed before the events, after the destructor drained it
+  WatchDevice watch_device_;
+  cuda::ErrorWatch<WatchDevice> watch_;
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "allocator.h"
@@ -18,13 +19,15 @@ namespace {
 struct Pair {
   V cpu_mapping, dev_mapping;
   HybridAllocator cpu;
-  std::shared_ptr<HostExecutor> exec = std::make_shared<HostExecutor>();
+  std::shared_ptr<HostExecutor> exec;
   DeviceHybridStore* dev_store;
   HybridAllocator dev;
-  Pair(int64_t size, int64_t size_swa, int64_t ps, bool need_sort, bool debug = false)
+  // threads: the emulation's (HostExecutor).
+  Pair(int64_t size, int64_t size_swa, int64_t ps, bool need_sort, bool debug = false, int threads = 0)
       : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps))),
         dev_mapping(cpu_mapping.size()),
         cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, cpu_mapping.data(), len())),
+        exec(std::make_shared<HostExecutor>(0, threads)),
         dev_store(new DeviceHybridStore(exec, size, size_swa, ps, need_sort, debug, dev_mapping.data(), len())),
         dev(std::unique_ptr<HybridStore>(dev_store)) {}
   int64_t len() const { return static_cast<int64_t>(cpu_mapping.size()); }
@@ -261,7 +264,7 @@ struct RawPool {
     return dev::PoolView{kPages, PageGeometry(1), ring.data(), staged.data(), group_index.data(), group_pages.data(),
                          state.data(), ring_pos.data(), ctl.data(), ctl.data() + dev::kCtlWords};
   }
-  dev::Origin origin() { return dev::Origin{error.data(), kCallFree, kArgIndices}; }
+  dev::Origin origin() { return dev::Origin{error.data(), kCallFree, kArgIndices, 1}; }
 };
 
 }  // namespace
@@ -318,4 +321,169 @@ TEST(DeviceAllocator, AnAllocationThatItsFreeListCannotHoldHandsOutOnlyThePaddin
   EXPECT_THROW(p.control().raise_found_errors(), DeferredError);
   p.dev.clear();
   p.expect_same();
+}
+
+// ---------------------------------------------------------------- misuse surfaces at once
+
+// Without debug checks a double free at page size 1 changes no count the host waits
+// for; the next call still raises it, from a copy of the error record that call made
+// without waiting.
+TEST(DeviceAllocator, ADoubleFreeRaisesInTheNextCallWithoutAWait) {
+  for (const int64_t ps : {1, 4}) {
+    Pair p(32 * ps, 16 * ps, ps, false);
+    const V slots = p.extend({0}, {2 * ps}, {-1}, 2 * ps);
+    p.dev.free(slots);
+    const int64_t waits = p.control().waits();
+    p.dev.free(slots);  // the bad call: the device refuses it, the host cannot know yet
+    VectorOut out;
+    try {
+      p.dev.alloc(ps, out);
+      ADD_FAILURE() << "page size " << ps << ": the call after a double free raised nothing";
+    } catch (const DeferredError& e) {
+      EXPECT_NE(std::string(e.what()).find("[in free]"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(p.control().waits(), waits) << "page size " << ps;
+    EXPECT_TRUE(out.values.empty());
+    p.dev.clear();
+    p.cpu.clear();
+    p.expect_same();
+  }
+}
+
+// ---------------------------------------------------------------- the threaded emulation
+
+TEST(DeviceAllocator, ThreadedLaunchesRunEveryElementOnce) {
+  for (const int threads : {3, 7, 32}) {
+    HostExecutor exec(0, threads);
+    for (const int64_t n : {1, 2, 3, 31, 32, 33, 1000, 65537}) {
+      std::vector<int64_t> visits(static_cast<size_t>(n));
+      exec.run_elements(n, [&visits](int64_t i) { __atomic_fetch_add(&visits[static_cast<size_t>(i)], 1, __ATOMIC_RELAXED); });
+      EXPECT_EQ(visits, V(static_cast<size_t>(n), 1)) << threads << " threads, n=" << n;
+    }
+  }
+  EXPECT_THROW(HostExecutor(0, 2), std::invalid_argument);
+  EXPECT_THROW(HostExecutor(0, 33), std::invalid_argument);
+  setenv("SWA_EXT_EMULATED_THREADS", "8", 1);
+  EXPECT_EQ(HostExecutor::threads_from_env(), 8);
+  setenv("SWA_EXT_EMULATED_THREADS", "1", 1);
+  EXPECT_THROW(HostExecutor::threads_from_env(), std::invalid_argument);
+  unsetenv("SWA_EXT_EMULATED_THREADS");
+  EXPECT_EQ(HostExecutor::threads_from_env(), 0);
+}
+
+// The lifecycle and a batched eviction on threads, against the CPU core.
+TEST(DeviceAllocator, ThreadedEmulationMatchesTheCpuCore) {
+  for (const int threads : {3, 11, 32}) {
+    const int64_t ps = 4, row_len = 64;
+    Pair p(128 * ps, 64 * ps, ps, threads % 2 == 1, false, threads);
+    V req_to_token(static_cast<size_t>(3 * row_len));
+    const V lens{40, 10, 33};
+    for (int64_t r = 0; r < 3; ++r) {
+      const V slots = p.extend({0}, {lens[r]}, {-1}, lens[r]);
+      std::copy(slots.begin(), slots.end(), req_to_token.begin() + r * row_len);
+    }
+    p.expect_same();
+    const V rows{2, 0, 1}, pre{33, 40, 10}, evicted{0, 8, 0};
+    V cpu_next(3), dev_next(3);
+    const SlotRows table{nullptr, req_to_token.data(), 3, row_len};
+    p.cpu.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, cpu_next.data());
+    p.dev.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, dev_next.data());
+    EXPECT_EQ(cpu_next, dev_next);
+    p.expect_same();
+    const V first(req_to_token.begin() + row_len, req_to_token.begin() + row_len + 10);
+    p.cpu.free(first);
+    p.dev.free(first);
+    p.expect_same();
+  }
+}
+
+#if defined(__SANITIZE_THREAD__)
+// A race planted in an op (every element adds to one word without an atomic) is what
+// the threaded emulation exists to show: ThreadSanitizer must report it.
+TEST(ThreadedEmulationDeathTest, ThreadSanitizerReportsAPlantedRace) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  setenv("TSAN_OPTIONS", "halt_on_error=1:exitcode=66", 1);
+  const auto plant = [] {
+    HostExecutor exec(0, 8);
+    int64_t total = 0;
+    exec.run_elements(4096, [&total](int64_t) { total += 1; });
+    std::exit(total >= 0 ? 0 : 1);
+  };
+  EXPECT_EXIT(plant(), ::testing::ExitedWithCode(66), "ThreadSanitizer: data race");
+}
+#endif
+
+// ---------------------------------------------------------------- determinism of one launch
+
+// Of several bad entries in one launch the record keeps the lowest (as the CPU core
+// reports its first), in every element order and on threads.
+TEST(DeviceAllocator, SeveralBadEntriesReportTheLowest) {
+  for (const int threads : {0, 3, 16}) {
+    for (int64_t offset = 0; offset < 6; ++offset) {
+      RawPool pool;
+      pool.state[3] = dev::kFree;
+      pool.state[6] = dev::kFree;
+      const V input{5, 3, 200, 6, 300};  // entry 1: page 3 free; 2: out of the pool; 3: page 6 free; 4: out
+      V list(input.size());
+      HostExecutor exec(offset, threads);
+      exec.run(static_cast<int64_t>(input.size()),
+               dev::ClaimOp{pool.view(), input.data(), dev::ClaimSource::kSlot, false, list.data(), pool.origin()});
+      EXPECT_EQ(pool.error[dev::kErrCode], dev::kClaimRefused) << threads << " threads, offset " << offset;
+      EXPECT_EQ(pool.error[dev::kErrEntry], 1) << threads << " threads, offset " << offset;
+      EXPECT_EQ(pool.error[dev::kErrValue], 3) << threads << " threads, offset " << offset;
+    }
+  }
+}
+
+// free_page_ids: the CPU core checks every id's range before it claims any.
+TEST(DeviceAllocator, APageIdOutOfThePoolOutranksAnEarlierRefusedClaim) {
+  for (int64_t offset = 0; offset < 3; ++offset) {
+    RawPool pool;
+    pool.state[3] = dev::kFree;
+    const V input{3, 9};
+    HostExecutor exec(offset);
+    exec.run(2, dev::ClaimOp{pool.view(), input.data(), dev::ClaimSource::kPageId, false, V(2).data(), pool.origin()});
+    EXPECT_EQ(pool.error[dev::kErrCode], dev::kPageIdOutOfPool) << "offset " << offset;
+    EXPECT_EQ(pool.error[dev::kErrEntry], 1);
+  }
+}
+
+// An earlier launch's error stands: a later launch's lower entry does not replace it.
+TEST(DeviceAllocator, TheFirstLaunchsErrorStands) {
+  RawPool pool;
+  const V first{5, 100}, second{200};
+  HostExecutor exec;
+  exec.run(2, dev::ClaimOp{pool.view(), first.data(), dev::ClaimSource::kSlot, false, V(2).data(), pool.origin()});
+  dev::Origin later = pool.origin();
+  later.launch = 2;
+  exec.run(1, dev::ClaimOp{pool.view(), second.data(), dev::ClaimSource::kSlot, false, V(1).data(), later});
+  EXPECT_EQ(pool.error[dev::kErrEntry], 1);
+  EXPECT_EQ(pool.error[dev::kErrValue], 100);
+}
+
+// set_full_to_swa_mapping naming one full slot twice keeps the last value, on the CPU
+// core and on the device in every element order.
+TEST(DeviceAllocator, ASlotMappedTwiceInOneCallKeepsTheLastValue) {
+  for (const int threads : {0, 5}) {
+    for (int64_t launch = 0; launch < 6; ++launch) {
+      Pair p(32 * 4, 16 * 4, 4, false, false, threads);
+      const V slots = p.extend({0}, {12}, {-1}, 12);
+      for (int64_t k = 0; k < launch; ++k) p.exec->next_order(2);  // another order for the launches below
+      const V full{slots[0], slots[1], slots[0], slots[0]};
+      const V swa{p.cpu_mapping[static_cast<size_t>(slots[4])], p.cpu_mapping[static_cast<size_t>(slots[5])],
+                  p.cpu_mapping[static_cast<size_t>(slots[8])], p.cpu_mapping[static_cast<size_t>(slots[6])]};
+      p.cpu.set_mapping(full, swa);
+      p.dev.set_mapping(full, swa);
+      EXPECT_EQ(p.dev_mapping[static_cast<size_t>(slots[0])], swa[3]) << threads << " threads, launch " << launch;
+      EXPECT_EQ(p.cpu_mapping, p.dev_mapping);
+      p.cpu.clear_mapping(full);
+      p.dev.clear_mapping(full);
+      EXPECT_EQ(p.cpu_mapping, p.dev_mapping);
+      // The entries' owners are zero again: the next call's last value wins as well.
+      const V again{slots[1], slots[1]}, values{swa[0], swa[2]};
+      p.cpu.set_mapping(again, values);
+      p.dev.set_mapping(again, values);
+      EXPECT_EQ(p.cpu_mapping, p.dev_mapping);
+    }
+  }
 }
