@@ -77,9 +77,12 @@ def native_extension():
         os.path.join("csrc", "torch", "sglang_requests.cpp")]
     cxx_flags = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     link_flags = []
-    if os.environ.get("SWA_EXT_SANITIZE") == "1":  # for the sanitizer job of .ci/run
-        cxx_flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"]
-        link_flags += ["-fsanitize=address,undefined"]
+    # For the sanitizer jobs of .ci/run (scripts/run-sanitized.sh): 1, AddressSanitizer and
+    # UndefinedBehaviorSanitizer; "thread", ThreadSanitizer.
+    sanitizers = {"1": "address,undefined", "thread": "thread"}.get(os.environ.get("SWA_EXT_SANITIZE", ""))
+    if sanitizers:
+        cxx_flags += [f"-fsanitize={sanitizers}", "-fno-omit-frame-pointer", "-O1"]
+        link_flags += [f"-fsanitize={sanitizers}"]
     if not want_cuda():
         return CppExtension("swa_ext._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")

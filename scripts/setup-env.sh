@@ -17,7 +17,7 @@ fi
 # native source and is not a leftover sanitized build (grep without -q: see run-sanitized.sh).
 SO="$(ls "$ROOT"/swa_ext/_C*.so 2>/dev/null | head -n 1 || true)"
 if [[ -z "$SO" || -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "$SO" -print -quit)" ]] \
-   || nm -D "$SO" | grep __asan_report >/dev/null \
+   || nm -D "$SO" | grep -E "__asan_report|__tsan_read" >/dev/null \
    || ! "$PY" -c "import swa_ext, swa_ext_bench" >/dev/null 2>&1 || [[ ! -x "$VENV/bin/swa-ext" ]]; then
   echo "building swa_ext (a few minutes the first time)..." >&2
   MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"

@@ -20,16 +20,28 @@ def pytest_addoption(parser):
         help="shift the element order of every emulated launch (sets SWA_EXT_EMULATED_ORDER_OFFSET), so that "
         "each launch of each kernels='emulated' test runs in another order than with the default 0",
     )
+    parser.addoption(
+        "--emulated-threads",
+        type=int,
+        default=None,
+        help="run each emulated launch's elements on 3 to N threads at once (sets SWA_EXT_EMULATED_THREADS, "
+        "N from 3 to 32), as a GPU runs them in parallel",
+    )
 
 
 def pytest_configure(config):
     offset = config.getoption("--emulated-order-offset")
     if offset is not None:
         os.environ["SWA_EXT_EMULATED_ORDER_OFFSET"] = str(offset)
+    threads = config.getoption("--emulated-threads")
+    if threads is not None:
+        os.environ["SWA_EXT_EMULATED_THREADS"] = str(threads)
 
 
 def pytest_report_header(config):
-    return f"emulated element-order offset: {os.environ.get('SWA_EXT_EMULATED_ORDER_OFFSET', '0')}"
+    threads = os.environ.get("SWA_EXT_EMULATED_THREADS", "0")
+    return (f"emulated element-order offset: {os.environ.get('SWA_EXT_EMULATED_ORDER_OFFSET', '0')}; "
+            f"emulated launches on threads: {threads if threads not in ('', '0') else 'no (one element after another)'}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,18 +17,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["env", "build", "smoke", "tests", "layer", "bench", "sanitizer"]
+PHASES = ["env", "build", "smoke", "tests", "layer", "latency", "bench", "sanitizer"]
 GOLDEN_TRACES = len(list((ROOT / "tests" / "golden").glob("*.jsonl.gz")))
+
+
+def run_dry(out, **env_vars):
+    env = dict(os.environ, DEVICE_CHECK_DRY="1", OUT=str(out), PYTHON=sys.executable)
+    env.update({"DEVICE_CHECK_SECONDS": "300", **env_vars})
+    env.pop("DEVICE_CHECK_TIMED", None)
+    return subprocess.run(["bash", str(ROOT / "scripts" / "device-check.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=280)
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("device-out")
-    env = dict(os.environ, DEVICE_CHECK_DRY="1", OUT=str(out), PYTHON=sys.executable, DEVICE_CHECK_SECONDS="300")
-    env.pop("DEVICE_CHECK_TIMED", None)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "device-check.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
-    return proc, out
+    return run_dry(out), out
 
 
 def read(out, name):
@@ -82,6 +86,31 @@ def test_each_phase_composes_the_command_the_issue_asks_for(dry_run):
     env = read(out, "env.txt")
     assert "torch " in env and "CUDA_HOME=" in env
     assert re.search(r"^bench: \d+ rows; results_match on every row: True", read(out, "summary.txt"), re.M)
+    # The emulated device raises in the call after the planted double free.
+    assert re.search(r"^deferred-error latency: largest 1 calls$", read(out, "summary.txt"), re.M)
+
+
+def test_an_unsupported_sanitizer_is_unavailable_and_keeps_its_share_of_the_budget(tmp_path):
+    """compute-sanitizer on a GPU runtime it does not support says "Device not supported"
+    and fails: that is no failed check. Its phase gets SANITIZER_SECONDS whatever the
+    phases before it were allowed (here the budget leaves them less than their caps)."""
+    fake = tmp_path / "fake-sanitizer"
+    fake.write_text("#!/bin/sh\necho '========= Error: Device not supported'\nexit 9\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    proc = run_dry(out, DEVICE_CHECK_SANITIZER=str(fake), DEVICE_CHECK_SECONDS="200", SANITIZER_SECONDS="100")
+    summary = read(out, "summary.txt")
+    assert proc.returncode == 0, summary + proc.stderr[-3000:]
+    assert re.search(r"^sanitizer: unavailable \(compute-sanitizer: Device not supported", summary, re.M), summary
+    assert summary.rstrip().endswith("ALL PASSED"), summary
+    limits = dict(re.findall(r"^(\w+): rc=\d+ in \d+ s \(limit (\d+) s\)", summary, re.M))
+    assert int(limits["sanitizer"]) == 100, summary
+    assert all(int(limit) <= 200 - 15 - 100 for name, limit in limits.items() if name != "sanitizer"), summary
+    # A sanitizer that fails for another reason fails the check.
+    fake.write_text("#!/bin/sh\necho '========= Invalid __global__ read'\nexit 9\n")
+    out2 = tmp_path / "out2"
+    proc = run_dry(out2, DEVICE_CHECK_SANITIZER=str(fake))
+    assert proc.returncode != 0 and "FAILED: sanitizer" in read(out2, "summary.txt")
 
 
 def test_a_failed_bench_row_fails_the_check(tmp_path):

@@ -670,3 +670,20 @@ def test_misuse_walk(kind, page_size, need_sort, kernels, request):
     assert o["good"] > bursts and o["refused"] > bursts // 8, o
     if kernels != "cpu":
         assert o["bad_taken"] > 0 and o["deferred"] > 0, o
+
+
+@pytest.mark.parametrize("kind,page_size", [("hybrid", 1), ("hybrid", 16), ("paged", 16), ("token", 1)])
+def test_the_threaded_emulation_walks_as_the_sequential_one(kind, page_size, monkeypatch):
+    """One walk with each launch's elements on 3 to 12 threads at once and with one element
+    after another: the same outcomes, calls raising at the same points, the same end state."""
+    ends = []
+    for threads in ("0", "12"):
+        monkeypatch.setenv("SWA_EXT_EMULATED_THREADS", threads)
+        walk = Walk(kind, page_size, False, "emulated", seed=f"threads/{kind}/{page_size}")
+        for _ in range(WALK_BURSTS):
+            walk.burst()
+        walk.sync()
+        ends.append((dict(walk.outcomes), walk.subjects[1].backup_state()))
+    assert ends[0][0] == ends[1][0]
+    assert ends[0][1] == ends[1][1], "the threaded emulation's state differs from the sequential one's"
+    assert ends[0][0]["deferred"] > 0, ends[0][0]
