@@ -42,7 +42,7 @@ from hypothesis.stateful import (
 )
 
 import swa_ext
-from swa_ext.reference import SWAAllocatorRef, cdiv, evicted_after_step
+from reference import SWAAllocatorRef, cdiv, evicted_after_step
 
 PAGE_SIZES = [1, 2, 3, 4, 6, 16, 64]  # 3 and 6: the division path of PageGeometry
 CI_EXAMPLES = 20  # x 14 machines = 280 examples
