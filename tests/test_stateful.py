@@ -1,7 +1,7 @@
 """Stateful property test: the native allocator against the plain-Python reference.
 
 A hypothesis ``RuleBasedStateMachine`` drives ``swa_ext.SWATokenToKVPoolAllocator``
-and ``swa_ext.reference.SWAAllocatorRef`` with the same random calls: prefill
+and ``reference.SWAAllocatorRef`` (tests/reference.py) with the same random calls: prefill
 batches, chunked prefill, decode-side tail preallocation (``alloc_extend_swa_tail``),
 decode batches, window eviction (``evict_out_of_window`` natively, ``evicted_after_step`` +
 ``free_swa_segment`` in the reference), every free variant, free groups spanning
