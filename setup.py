@@ -124,13 +124,16 @@ setup(
         "Operating System :: POSIX :: Linux",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    packages=["swa_ext", "swa_ext.sglang", "swa_ext_bench"],
-    package_dir={"swa_ext": "swa_ext", "swa_ext_bench": "bench"},
+    # The allocator, its SGLang integration and the simulator; the benchmarks (bench/) and the
+    # test oracle stay in the checkout.
+    packages=["swa_ext", "swa_ext.sglang", "swa_ext.simulator"],
     package_data={"swa_ext": ["data/*.csv", "data/*.json", "data/*.jsonl", "data/LICENSE-*"]},
     ext_modules=[native_extension()],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=" + ".".join(map(str, MIN_PYTHON)),
-    install_requires=[torch_requirement(), "numpy", "tqdm", "matplotlib"],
+    install_requires=[torch_requirement()],
+    # swa-ext simulate's progress bars and plots (swa_ext.simulator.EXTRA_MODULES).
+    extras_require={"sim": ["numpy", "tqdm", "matplotlib"]},
     entry_points={
         "console_scripts": ["swa-ext = swa_ext.cli:main"],
         # SGLang loads it in each of its processes; it acts only when SWA_EXT_SGLANG is set.

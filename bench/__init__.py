@@ -13,19 +13,14 @@ SPEC.md section 5, the reference for the batched native eviction.
 a further reference there, whenever sglang is importable.
 """
 
-from .baseline import (
-    BaselinePagedAllocator,
-    BaselineSWAAllocator,
-    BaselineTokenAllocator,
-    get_num_new_pages,
-)
-from .evict_baseline import evict_per_request, evicted_after_step
+from .baseline import BaselineSWAAllocator
+from .baseline_pools import BaselinePagedAllocator, BaselineTokenAllocator, get_num_new_pages
+from .evict_baseline import evict_per_request
 
 __all__ = [
     "BaselinePagedAllocator",
     "BaselineSWAAllocator",
     "BaselineTokenAllocator",
     "evict_per_request",
-    "evicted_after_step",
     "get_num_new_pages",
 ]

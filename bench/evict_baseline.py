@@ -15,39 +15,15 @@ from typing import List
 
 import torch
 
-__all__ = ["evict_per_request", "evicted_after_step"]
+from swa_ext._C import evicted_after_step  # the window rule of csrc/core/rules.h, not restated here
+
+__all__ = ["evict_per_request"]
 
 
 def _to_list(x) -> List[int]:
     if isinstance(x, torch.Tensor):
         return x.tolist()
     return [int(v) for v in x]
-
-
-def evicted_after_step(
-    evicted: int,
-    pre_len: int,
-    window: int,
-    page_size: int,
-    interval: int = 1,
-    prefix_sharing: bool = False,
-) -> int:
-    """The new evicted boundary of one request (``evicted`` when nothing is due).
-
-    Due when ``pre_len - window >= evicted + interval``. The boundary then
-    moves to ``(max(evicted, pre_len - back) // page_size) * page_size``, with
-    ``back = window``, or, with prefix sharing,
-    ``back = cdiv(max(window, page_size), page_size) * page_size``. It never
-    moves backwards.
-    """
-    if pre_len - window < evicted + interval:
-        return evicted
-    if prefix_sharing:
-        back = -(-max(window, page_size) // page_size) * page_size
-    else:
-        back = window
-    new = (max(evicted, pre_len - back) // page_size) * page_size
-    return new if new > evicted else evicted
 
 
 def evict_per_request(
@@ -66,7 +42,7 @@ def evict_per_request(
     ``rows[j]`` is request ``j``'s row in ``req_to_token``, ``pre_lens[j]`` its
     committed length (``seq_len - 1`` in a decode step) and ``evicted[j]`` its
     current ``swa_evicted_seqlen`` (page-aligned). For each request that is due
-    (see ``evicted_after_step``), in batch order, calls
+    (``swa_ext.decode.evicted_after_step``, the native rule), in batch order, calls
     ``allocator.free_swa_segment(req_to_token[row, evicted:new], start_pos=evicted)``.
     Returns the new evicted boundaries, one per request; the inputs are not
     modified.

@@ -55,7 +55,7 @@ struct Case {
         host(std::make_unique<HostHybridStore>(size, size, ps, false, host_mapping.data(), len())),
         dev(std::make_unique<DeviceHybridStore>(exec, size, size, ps, false, false, dev_mapping.data(), len())),
         state(host.backup_state()) {
-    // The benchmark's state (bench/micro.py): B requests of 128..256 tokens on unaligned lengths.
+    // The benchmark's state (bench/micro/cases.py): B requests of 128..256 tokens on unaligned lengths.
     V zeros(static_cast<size_t>(b), 0), no_prefix(static_cast<size_t>(b), -1);
     for (int64_t j = 0; j < b; ++j) pre.push_back(128 + 64 * (j % 3) + (j + 1) % ps);
     int64_t n = 0;
@@ -102,7 +102,7 @@ void measure(const char* op, Case& c, const std::function<void(HybridAllocator&)
               static_cast<long long>(uploads));
 }
 
-// free_segment of every request's in-window pages (bench/micro.py's case) on the host
+// free_segment of every request's in-window pages (bench/micro/cases.py's case) on the host
 // store, against the one write the contract requires of it and nothing else: zeroing
 // the mapping of those pages (consecutive pages as one range), from the same state. A
 // free cannot take less; its ratio to a reference is bounded by this clear.
@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
   for (const int64_t ps : {1, 16, 64})
     for (const int64_t b : {256, 2048}) {
       Case c(b, ps);
-      // As bench/micro.py: the out-of-window SWA KV evicted as of the previous step.
+      // As bench/micro/cases.py: the out-of-window SWA KV evicted as of the previous step.
       V rows, pre_lens, evicted(static_cast<size_t>(b), 0), next(static_cast<size_t>(b));
       for (int64_t j = 0; j < b; ++j) rows.push_back(j), pre_lens.push_back(c.pre[j] - 1);
       c.host.evict_out_of_window(SlotRows{nullptr, c.req_to_token.data(), b, kRowLen}, rows, pre_lens, evicted,

@@ -153,7 +153,7 @@ class Scheduler:
         batch.orig_seq_lens = batch.seq_lens.to(torch.int32)
         batch.forward_mode = ForwardMode.DECODE
         batch.sampling_info = types.SimpleNamespace(penalizer_orchestrator=types.SimpleNamespace(is_required=False))
-        evict = hooks.maybe_evict_swa if setup in ("hook", "lockstep") else hooks._sglang_maybe_evict_swa
+        evict = hooks.maybe_evict_swa if setup in ("hook", "lockstep") else hooks.sglang_maybe_evict_swa
         self.evict_us = []
         self._evict = evict.__get__(batch)
         batch.maybe_evict_swa = self._timed_evict  # the instance's, so the three setups share one process

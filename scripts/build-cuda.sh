@@ -21,6 +21,9 @@ fi
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"  # nvcc on PATH may be a wrapper torch misreads
 export USE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-2}"
 cd "$ROOT"
+# The Python files are copied afresh, so none that moved or left the wheel stays behind.
+rm -rf build/cuda-lib/swa_ext_bench
+if [[ -d build/cuda-lib ]]; then find build/cuda-lib -name '*.py' -delete; fi
 "$PY" setup.py -q build_py --build-lib build/cuda-lib build_ext --build-lib build/cuda-lib --build-temp build/cuda-temp
 rm -rf build/cuda-lib/swa_ext-*.dist-info
 "$PY" setup.py -q dist_info --output-dir build/cuda-lib >/dev/null

@@ -56,7 +56,8 @@ if [[ -z "${CUDA_HOME:-}" ]]; then
 fi
 export CUDA_HOME="${CUDA_HOME:-}" USE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1 PATH="${CUDA_HOME:+$CUDA_HOME/bin:}$PATH"
-# The bench package is bench/, installed as swa_ext_bench: give it that name here.
+# The bench package is bench/, installed from a checkout as swa_ext_bench: give it that name
+# here, and run it as python -m swa_ext_bench (swa-ext bench finds it by its entry point).
 LINKS="$(mktemp -d)"
 ln -sfn "$ROOT/bench" "$LINKS/swa_ext_bench"
 export PYTHONPATH="$ROOT:$LINKS${PYTHONPATH:+:$PYTHONPATH}"
@@ -182,7 +183,7 @@ if [[ "$DRY" == 1 ]]; then
 else
   bench=(--device cuda --batch-sizes 1 256 2048 --page-sizes 1 64 --seconds-per-case 0.25)
 fi
-phase bench 90 summary.txt --also-dry "$PY" -m swa_ext bench "${bench[@]}" --no-sglang --quiet --json "$OUT/bench.json"
+phase bench 90 summary.txt --also-dry "$PY" -m swa_ext_bench "${bench[@]}" --no-sglang --quiet --json "$OUT/bench.json"
 "$PY" - "$OUT/bench.json" >>"$SUMMARY" 2>&1 <<'EOF' || failed+=(bench_results_match)
 import json, sys
 try:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (torch 2.13.0 CPU and the test/plot dependencies) if needed and builds
-# swa_ext into it in place. Sourced by the other scripts; safe to run again.
+# swa_ext into it in place, with the benchmarks (bench/, the swa_ext_bench package that
+# swa_ext's wheel leaves out) beside it. Sourced by the other scripts; safe to run again.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SWA_EXT_VENV:-$ROOT/.venv}"
@@ -18,7 +19,10 @@ fi
 SO="$(ls "$ROOT"/swa_ext/_C*.so 2>/dev/null | head -n 1 || true)"
 if [[ -z "$SO" || -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "$SO" -print -quit)" ]] \
    || nm -D "$SO" | grep -E "__asan_report|__tsan_read" >/dev/null \
-   || ! "$PY" -c "import swa_ext, swa_ext_bench" >/dev/null 2>&1 || [[ ! -x "$VENV/bin/swa-ext" ]]; then
+   || ! "$PY" -c "import swa_ext.simulator" >/dev/null 2>&1 || [[ ! -x "$VENV/bin/swa-ext" ]]; then
   echo "building swa_ext (a few minutes the first time)..." >&2
   MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"
+fi
+if ! "$PY" -c "import swa_ext_bench.micro" >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT/bench"
 fi

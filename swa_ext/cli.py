@@ -1,5 +1,6 @@
 """The ``swa-ext`` command: ``simulate`` (a decode node replaying a request trace)
-and ``bench`` (allocator micro-benchmarks, from the ``swa_ext_bench`` package)."""
+and ``bench`` (allocator micro-benchmarks, found at run time as the ``swa_ext.commands``
+entry point that the bench package of a checkout installs)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from swa_ext._version import __version__
 from swa_ext.outputs import OutputError, check_output, write_all
 
 PROG = "swa-ext"
+# Where commands shipped outside this package (the bench) register themselves.
+COMMAND_ENTRY_POINTS = "swa_ext.commands"
 
 # Defaults of the simulate command; the README's description of the default run
 # depends on them.
@@ -129,11 +132,15 @@ def _progress_line(label: str, result, seconds: float) -> None:
 
 
 def simulate_main(argv: list[str]) -> int:
-    from swa_ext import simulator
+    try:
+        from swa_ext import simulator
+    except ImportError as e:  # the sim extra is not installed: the message says what to install
+        print(f"{PROG} simulate: error: {e}", file=sys.stderr)
+        return 1
+    args = _simulate_parser().parse_args(argv)
     from swa_ext.models import get_model
     from swa_ext.traces import DEFAULT_TRACE, TraceError, load_trace
 
-    args = _simulate_parser().parse_args(argv)
     try:
         if args.json is not None:
             check_output(f"{PROG} simulate: error: argument --json", args.json)
@@ -187,30 +194,23 @@ def simulate_main(argv: list[str]) -> int:
 
 
 def bench_main(argv: list[str]) -> int:
-    try:
-        from swa_ext_bench import micro
-    except ImportError as e:
-        raise UsageError(
-            f"{PROG} bench: error: the benchmarks are not importable ({e}); install them from bench/"
-        ) from None
-    return micro.main(argv) or 0
+    from importlib.metadata import entry_points
+
+    found = entry_points(group=COMMAND_ENTRY_POINTS, name="bench")
+    if not found:
+        raise UsageError(f"{PROG} bench: error: the benchmarks are not installed; "
+                         "from a checkout of swa_ext: pip install ./bench")
+    return next(iter(found)).load()(argv) or 0
 
 
 COMMANDS = {"simulate": simulate_main, "bench": bench_main}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    top = _Parser(prog=PROG, description="swa_ext tools.")
-    top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    top.add_argument("command", choices=sorted(COMMANDS),
-                     help="simulate: replay a trace on a simulated decode node; "
-                     "bench: allocator micro-benchmarks")
+def run_command(command, argv: list[str]) -> int:
+    """``command(argv)``, its exit status, with the failures every ``swa-ext`` command reports
+    alike: bad input in one line (2), Ctrl-C (130), a report that could not be written (1)."""
     try:
-        if not argv or argv[0] not in COMMANDS:
-            # Only the command is parsed here; each command parses its own options.
-            top.parse_args(argv[:1])
-        return COMMANDS[argv[0]](argv[1:])
+        return command(argv)
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
@@ -225,3 +225,20 @@ def main(argv: list[str] | None = None) -> int:
         # A report that could not be written after all (the disk filled up).
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _Parser(prog=PROG, description="swa_ext tools.")
+    top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    top.add_argument("command", choices=sorted(COMMANDS),
+                     help="simulate: replay a trace on a simulated decode node; "
+                     "bench: allocator micro-benchmarks")
+
+    def chosen(args: list[str]) -> int:
+        if not args or args[0] not in COMMANDS:
+            # Only the command is parsed here; each command parses its own options.
+            top.parse_args(args[:1])
+        return COMMANDS[args[0]](args[1:])
+
+    return run_command(chosen, argv)

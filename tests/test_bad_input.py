@@ -4,7 +4,7 @@ Each call must raise the documented exception (TypeError for a wrong type, dtype
 or device; ValueError, naming the argument, for a bad value) and leave the
 allocator exactly as it was: ``backup_state()`` after equals the snapshot taken
 before, and so do the mapping tensor and both pools' free lists. Where the
-reference (swa_ext/reference.py) defines the same call, it must raise ValueError
+reference (tests/reference.py) defines the same call, it must raise ValueError
 too and keep its snapshot.
 
 The fixture state is not trivial: two live requests (one with a partial last page,
@@ -23,7 +23,7 @@ import torch
 import swa_ext
 from cuda_support import cuda_skip_reason
 from swa_ext import decode
-from swa_ext.reference import SWAAllocatorRef
+from reference import SWAAllocatorRef
 
 SIZE, SIZE_SWA = 64, 48
 

@@ -26,10 +26,11 @@ import golden_replay  # noqa: E402  (tests/golden_replay.py, shared driver)
 # package only when the source tree is not importable.
 try:
     from bench.baseline import BaselineSWAAllocator  # noqa: E402
-    from bench.evict_baseline import evict_per_request, evicted_after_step  # noqa: E402
+    from bench.evict_baseline import evict_per_request  # noqa: E402
 except ImportError:
     from swa_ext_bench.baseline import BaselineSWAAllocator  # noqa: E402
-    from swa_ext_bench.evict_baseline import evict_per_request, evicted_after_step  # noqa: E402
+    from swa_ext_bench.evict_baseline import evict_per_request  # noqa: E402
+from swa_ext.decode import evicted_after_step  # noqa: E402  (the native rule the per-request loop applies)
 
 TRACES = sorted((TESTS / "golden").glob("*.jsonl.gz"))
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import swa_ext
-from swa_ext.reference import SWAAllocatorRef
+from reference import SWAAllocatorRef
 
 
 def T(values):

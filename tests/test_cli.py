@@ -1,10 +1,11 @@
 """The swa-ext command line: simulate's outputs, bad input, --version, bench dispatch."""
 
+import importlib.metadata
+import importlib.util
 import json
 import signal
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -178,8 +179,7 @@ def test_ctrl_c_in_simulate_is_one_line_status_130_and_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("module, command", [("swa_ext", ["bench"]), ("swa_ext_bench", []),
-                                             ("swa_ext_bench.micro", [])])
+@pytest.mark.parametrize("module, command", [("swa_ext", ["bench"]), ("swa_ext_bench", [])])
 def test_ctrl_c_in_bench_is_one_line_status_130_and_leaves_nothing(module, command, tmp_path):
     code, err = _interrupted([*command, "--no-sglang", "--ops", "alloc_decode", "--seconds-per-case", "0.5",
                               "--json", "b.json", "--plot", "b.jpg"], tmp_path, "[1/", "stderr", module)
@@ -217,21 +217,49 @@ def test_malformed_trace_through_console(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+class _EntryPoint:
+    def __init__(self, main):
+        self.main = main
+
+    def load(self):
+        return self.main
+
+
 def test_bench_dispatch(monkeypatch):
-    seen = []
-    package = types.ModuleType("swa_ext_bench")
-    micro = types.ModuleType("swa_ext_bench.micro")
-    micro.main = lambda argv: seen.append(argv) or 3
-    package.micro = micro
-    monkeypatch.setitem(sys.modules, "swa_ext_bench", package)
-    monkeypatch.setitem(sys.modules, "swa_ext_bench.micro", micro)
+    """``swa-ext bench`` runs whatever the bench package registered as the command's entry point."""
+    seen, asked = [], []
+
+    def entry_points(group, name):
+        asked.append((group, name))
+        return [_EntryPoint(lambda argv: seen.append(argv) or 3)]
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
     assert cli.main(["bench", "--quick", "x"]) == 3
-    assert seen == [["--quick", "x"]]
+    assert seen == [["--quick", "x"]] and asked == [(cli.COMMAND_ENTRY_POINTS, "bench")]
 
 
 def test_bench_unavailable(monkeypatch, capsys):
-    # A None entry makes the import fail as if the package were absent.
-    monkeypatch.setitem(sys.modules, "swa_ext_bench", None)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group, name: [])
     assert cli.main(["bench"]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "swa_ext_bench" in err
+    assert len(err.strip().splitlines()) == 1 and "not installed" in err and "./bench" in err
+
+
+def test_installed_bench_is_the_command_entry_point():
+    """The checkout's bench package (scripts/setup-env.sh installs it) registers ``swa-ext bench``."""
+    (found,) = importlib.metadata.entry_points(group=cli.COMMAND_ENTRY_POINTS, name="bench")
+    from swa_ext_bench import micro
+
+    assert found.load() is micro.main
+
+
+def test_simulate_without_the_sim_extra_is_one_line(monkeypatch, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real_find_spec(name, *a))
+    for name in [m for m in sys.modules if m == "swa_ext.simulator" or m.startswith("swa_ext.simulator.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delattr(swa_ext, "simulator")
+    assert cli.main(["simulate", "--max-requests", "3"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "swa-ext simulate: error: the simulator needs tqdm: pip install 'swa_ext[sim]'\n"

@@ -25,7 +25,7 @@ import torch
 
 import swa_ext
 from cuda_support import cuda_skip_reason
-from swa_ext.reference import evicted_after_step
+from reference import evicted_after_step
 
 
 # Where the allocator under test runs, set per test by the `backend` fixture: "cuda"

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import golden_replay
+import reference
 import swa_ext
-from swa_ext import _C, decode, reference
+from swa_ext import _C, decode
 from swa_ext_bench import bench_evict
 from swa_ext_bench.evict_baseline import evict_per_request
 

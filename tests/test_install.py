@@ -9,7 +9,10 @@ tracks (what a fresh clone holds), so nothing here touches the working tree's bu
 - torch installed: ``pip wheel .`` builds in pip's isolated environment against that
   torch (no second torch is installed there), and the wheel carries the README as its
   long description, the licence, the torch release it was compiled against and the
-  Python floor; installed, it imports and allocates from outside the source tree.
+  Python floor; it holds the allocator, its SGLang integration and the simulator, not
+  the benchmarks nor the test oracle. Installed beside torch alone it imports and
+  allocates from outside the source tree, and ``swa-ext simulate`` and ``swa-ext bench``
+  each say in one line what to install; with the ``sim`` extra the simulator runs.
   This compiles the extension (a minute or two on two cores).
 """
 import email
@@ -145,10 +148,18 @@ def test_isolated_wheel_builds_against_the_installed_torch(source, tmp_path):
     assert "the swa_ext authors" in licence and meta["Author"] == "the swa_ext authors"
     assert meta["Description-Content-Type"] == "text/markdown"
     assert meta.get_payload().strip() == (ROOT / "README.md").read_text(encoding="utf-8").strip()
-    assert f"torch=={TORCH_RELEASE}" in meta.get_all("Requires-Dist")
+    requires = meta.get_all("Requires-Dist")
+    assert f"torch=={TORCH_RELEASE}" in requires and meta.get_all("Provides-Extra") == ["sim"]
+    # Nothing but torch without the extra.
+    assert [r for r in requires if "extra ==" not in r] == [f"torch=={TORCH_RELEASE}"], requires
+    assert sorted(r.split(";")[0].strip() for r in requires if "extra ==" in r) == ["matplotlib", "numpy", "tqdm"]
     assert meta["Requires-Python"] == ">=3.10"
     assert any(n.startswith("swa_ext/_C") and n.endswith(".so") for n in names)
-    assert "swa_ext/data/swa_model_configs.json" in names and "swa_ext_bench/micro.py" in names
+    assert "swa_ext/data/swa_model_configs.json" in names
+    # The benchmarks and the test oracle stay in the checkout.
+    assert not [n for n in names if n.startswith("swa_ext_bench") or n.endswith("reference.py")], names
+    for part in ("__init__", "scenario", "node", "runs", "report"):
+        assert f"swa_ext/simulator/{part}.py" in names, part
     # Every bundled data file: the simulator's traces (the Mooncake sample and its licence too).
     for data in (ROOT / "swa_ext" / "data").iterdir():
         assert f"swa_ext/data/{data.name}" in names, data.name
@@ -171,5 +182,19 @@ def test_isolated_wheel_builds_against_the_installed_torch(source, tmp_path):
     got = json.loads(used.stdout)
     assert got["file"].startswith(str(tmp_path / "venv")), got["file"]
     assert got["slots"] == list(range(16, 48)) and got["swa"] == 256 - 32
-    assert run([tmp_path / "venv" / "bin" / "swa-ext", "simulate", "--help"]).returncode == 0
+    # torch (and what torch itself pulls in) is all the wheel installed.
+    assert run([py, "-c", "import tqdm"]).returncode != 0 and run([py, "-c", "import matplotlib"]).returncode != 0
+    assert run([py, "-m", "pip", "check"]).returncode == 0
+    swa_ext_cmd = tmp_path / "venv" / "bin" / "swa-ext"
+    simulate = run([swa_ext_cmd, "simulate", "--help"], cwd=tmp_path)
+    assert simulate.returncode == 1 and simulate.stdout == "" and "Traceback" not in simulate.stderr
+    # Its last line; torch itself warns above it, at import, that numpy is missing.
+    assert simulate.stderr.splitlines()[-1] == ("swa-ext simulate: error: the simulator needs numpy, tqdm, "
+                                                "matplotlib: pip install 'swa_ext[sim]'"), simulate.stderr
+    bench = run([swa_ext_cmd, "bench"], cwd=tmp_path)
+    assert bench.returncode == 2 and "not installed" in bench.stderr.splitlines()[-1], bench.stderr
+
+    extra = run([py, "-m", "pip", "install", f"{wheel}[sim]"], env=pip_env(), timeout=600)
+    assert extra.returncode == 0, extra.stdout[-3000:] + extra.stderr[-3000:]
+    assert run([swa_ext_cmd, "simulate", "--help"], cwd=tmp_path).returncode == 0
     assert run([py, "-m", "pip", "check"]).returncode == 0

@@ -1,4 +1,4 @@
-"""The plain-Python reference (swa_ext/reference.py) against SPEC.md and the golden traces."""
+"""The plain-Python reference (tests/reference.py) against SPEC.md and the golden traces."""
 
 from __future__ import annotations
 
@@ -10,30 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from golden_replay import load_trace, replay, trace_paths  # noqa: E402
-
-
-def _load_reference():
-    """swa_ext.reference, or the same file loaded alone when the package (which
-    imports the native extension) cannot be imported: the reference needs
-    nothing but Python."""
-    try:
-        from swa_ext import reference
-    except ImportError:
-        import importlib.util
-
-        path = Path(__file__).resolve().parent.parent / "swa_ext" / "reference.py"
-        spec = importlib.util.spec_from_file_location("swa_ext_reference", path)
-        reference = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(reference)
-    return reference
-
-
-_ref = _load_reference()
-PagePoolRef = _ref.PagePoolRef
-SWAAllocatorRef = _ref.SWAAllocatorRef
-TokenPoolRef = _ref.TokenPoolRef
-evicted_after_step = _ref.evicted_after_step
-swa_tail_len = _ref.swa_tail_len
+from reference import PagePoolRef, SWAAllocatorRef, TokenPoolRef, evicted_after_step, swa_tail_len  # noqa: E402
 
 TRACES = trace_paths()
 

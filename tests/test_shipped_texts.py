@@ -39,7 +39,7 @@ def offending_lines(path: Path, root: Path = ROOT) -> list[str]:
 
 def test_the_check_sees_the_shipped_texts():
     names = {str(p.relative_to(ROOT)) for p in shipped_files()}
-    assert {"README.md", "SPEC.md", "swa_ext/simulator.py", "swa_ext/data/swa_model_configs.json",
+    assert {"README.md", "SPEC.md", "swa_ext/simulator/node.py", "swa_ext/data/swa_model_configs.json",
             "scripts/run-simulator.sh"} <= names
 
 

@@ -18,7 +18,7 @@ DATA = Path(__file__).with_name("data")
 AZURE_SMALL = DATA / "azure_small.csv"
 MOONCAKE_SMALL = DATA / "mooncake_small.jsonl"
 # The bundled long-prompt sample (Mooncake conversation trace, mean prompt about 14k tokens).
-MOONCAKE_LONG = Path(simulator.__file__).with_name("data") / "mooncake_conversation_trace_2000.jsonl"
+MOONCAKE_LONG = Path(swa_ext.__file__).with_name("data") / "mooncake_conversation_trace_2000.jsonl"
 
 FREE_METHODS = ("free", "free_full", "free_segment", "free_full_segment")
 

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import swa_ext
-from swa_ext.reference import swa_tail_len
+from reference import swa_tail_len
 
 RSS_BOUND_MIB = 32
 # AddressSanitizer keeps freed memory in quarantine (256 MiB by default), so under the

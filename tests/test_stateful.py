@@ -1,7 +1,7 @@
 """Stateful property test: the native allocator against the plain-Python reference.
 
 A hypothesis ``RuleBasedStateMachine`` drives ``swa_ext.SWATokenToKVPoolAllocator``
-and ``swa_ext.reference.SWAAllocatorRef`` with the same random calls: prefill
+and ``reference.SWAAllocatorRef`` (tests/reference.py) with the same random calls: prefill
 batches, chunked prefill, decode-side tail preallocation (``alloc_extend_swa_tail``),
 decode batches, window eviction (``evict_out_of_window`` natively, ``evicted_after_step`` +
 ``free_swa_segment`` in the reference), every free variant, free groups spanning
@@ -42,7 +42,7 @@ from hypothesis.stateful import (
 )
 
 import swa_ext
-from swa_ext.reference import SWAAllocatorRef, cdiv, evicted_after_step
+from reference import SWAAllocatorRef, cdiv, evicted_after_step
 
 PAGE_SIZES = [1, 2, 3, 4, 6, 16, 64]  # 3 and 6: the division path of PageGeometry
 CI_EXAMPLES = 20  # x 14 machines = 280 examples

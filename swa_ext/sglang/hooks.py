@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _SWA = ComponentType.SWA
 _sglang_maybe_evict_swa = schedule_batch.ScheduleBatch.maybe_evict_swa
+sglang_maybe_evict_swa = _sglang_maybe_evict_swa  # SGLang's own method, public for bench/sglang_step.py
 _eviction = _C.SGLangWindowEviction(schedule_batch.Req, schedule_batch.ReqKvInfo, _SWA)
 _warned = set()
 # Batches evicted by the native call and by SGLang's loop, in this process (tests, benchmark).

@@ -2,7 +2,10 @@
 
 Lists and ints only, written to be read: this file is the executable form of
 SPEC.md. It is slow on purpose and is the oracle the native allocator is tested
-against (golden traces, property tests).
+against (golden traces, property tests). It lives with the tests: neither the
+shipped package nor the benchmarks import it, and its window rules
+(``swa_tail_len``, ``evicted_after_step``) are the one independent restatement
+of csrc/core/rules.h's.
 
 Every public method first checks its arguments and the state they touch and
 raises ValueError before changing anything; only then does it run the

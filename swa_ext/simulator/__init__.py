@@ -1,0 +1,32 @@
+"""``swa-ext simulate``: a PD decode node replayed over a request trace under the
+``full``, ``evict`` and ``tail`` SWA policies (docs/simulator.md).
+
+Four modules, each importing only those before it: ``scenario`` (settings and pool
+sizing), ``node`` (one policy's decode node), ``runs`` (the comparison and its
+conclusion), ``report`` (JSON, table, plot). Needs the ``sim`` extra (tqdm, matplotlib).
+"""
+
+import importlib.util
+
+# The sim extra of setup.py: what the simulator needs beyond torch.
+EXTRA_MODULES = ("numpy", "tqdm", "matplotlib")
+_missing = [name for name in EXTRA_MODULES if importlib.util.find_spec(name) is None]
+if _missing:
+    raise ImportError(f"the simulator needs {', '.join(_missing)}: pip install 'swa_ext[sim]'")
+
+from .node import DecodeNode, PolicyResult, default_allocator
+from .report import ROW_DESCRIPTIONS, format_conclusion, format_table, plot, report
+from .runs import PlannedRun, conclusion, interval_comparison, plan_runs, run, simulate, simulate_config
+from .scenario import (DEFAULT_RESERVED_DECODE_TOKENS, EVICTING, GIB, MAX_POOL_TOKENS, POLICIES,
+                       SGLANG_DEFAULT_EVICTION_INTERVAL, SGLANG_DEFAULT_SWA_RATIO, SWA_RATIO_SWEEP, PolicyConfig,
+                       Scenario, SimulationError, capacity_bound, fits_empty_node, plan_scenario, policy_config,
+                       pool_sizes, sglang_request_cap_config, sglang_swa_request_cap, tail_swa_pages_bound)
+
+__all__ = [
+    "DEFAULT_RESERVED_DECODE_TOKENS", "EVICTING", "GIB", "MAX_POOL_TOKENS", "POLICIES", "ROW_DESCRIPTIONS",
+    "SGLANG_DEFAULT_EVICTION_INTERVAL", "SGLANG_DEFAULT_SWA_RATIO", "SWA_RATIO_SWEEP", "DecodeNode", "PlannedRun",
+    "PolicyConfig", "PolicyResult", "Scenario", "SimulationError", "capacity_bound", "conclusion",
+    "default_allocator", "fits_empty_node", "format_conclusion", "format_table", "interval_comparison",
+    "plan_runs", "plan_scenario", "plot", "policy_config", "pool_sizes", "report", "run", "simulate",
+    "simulate_config", "sglang_request_cap_config", "sglang_swa_request_cap", "tail_swa_pages_bound",
+]
