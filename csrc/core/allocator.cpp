@@ -50,9 +50,11 @@ void end_group(PoolStore& pool, GroupOrder order) {
   }
 }
 
-BatchLengths whole_batch(const int64_t& zero, const int64_t& need_size) {
-  return BatchLengths{Span(&zero, 1), Span(&need_size, 1), false};
-}
+// alloc(need_size) as a batch: one request of need_size new tokens and no prefix.
+struct UnprefixedRequest {
+  int64_t prefix_len = 0, seq_len;
+  BatchLengths batch() const { return BatchLengths{Span(&prefix_len, 1), Span(&seq_len, 1), false}; }
+};
 
 }  // namespace
 
@@ -70,8 +72,8 @@ bool PoolAllocator::allocate(const AllocPlan& plan, const BatchLengths& batch, c
 bool PoolAllocator::alloc(int64_t need_size, OutBuffer& out) {
   store_->check_usable();
   const AllocPlan plan = plan_alloc(need_size, store_->geometry());
-  const int64_t zero = 0;
-  return allocate(plan, whole_batch(zero, need_size), LastLoc(), kCallAlloc, out);
+  const UnprefixedRequest request{0, need_size};
+  return allocate(plan, request.batch(), LastLoc(), kCallAlloc, out);
 }
 
 bool PoolAllocator::alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
@@ -171,8 +173,8 @@ bool HybridAllocator::allocate(const AllocPlan& plan, const BatchLengths& batch,
 bool HybridAllocator::alloc(int64_t need_size, OutBuffer& out) {
   store_->check_usable();
   const AllocPlan plan = plan_alloc(need_size, page_);
-  const int64_t zero = 0;
-  return allocate(plan, whole_batch(zero, need_size), LastLoc(), kCallAlloc, out);
+  const UnprefixedRequest request{0, need_size};
+  return allocate(plan, request.batch(), LastLoc(), kCallAlloc, out);
 }
 
 bool HybridAllocator::alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens,
@@ -216,7 +218,7 @@ void HybridAllocator::release_swa(bool by_index) {
 void HybridAllocator::free_slots(Span indices, Call call, bool full_side, bool swa_side) {
   store_->check_usable();
   if (swa_side && swa_free_by_segment(page_.size)) {  // at page size 1 each slot stands for its page
-    free_reps(indices, call, full_side, true, true);
+    free_by_representatives(indices, call, full_side, true, true);
     return;
   }
   ClaimScope<HybridStore> scope(*store_);
@@ -231,18 +233,18 @@ void HybridAllocator::free_pages_of_segment(Span indices, int64_t start_pos, Cal
                                             bool swa_side) {
   store_->check_usable();
   check_segment_start(start_pos, page_);
-  free_reps(indices, call, full_side, swa_side, false);
+  free_by_representatives(indices, call, full_side, swa_side, false);
 }
 
-void HybridAllocator::free_reps(Span indices, Call call, bool full_side, bool swa_side, bool by_index) {
+void HybridAllocator::free_by_representatives(Span indices, Call call, bool full_side, bool swa_side, bool by_index) {
   // Pages of representatives are released in claim order (release_order: segments, and
   // every free at page size 1), so the store may claim and place them in one pass.
-  if (store_->free_reps_at_once(indices, full_side, swa_side, destination(full(), by_index),
+  if (store_->free_representatives_at_once(indices, full_side, swa_side, destination(full(), by_index),
                                 destination(swa(), by_index)))
     return;
   ClaimScope<HybridStore> scope(*store_);
   if (full_side) full().claim_segment(indices, call);
-  if (swa_side) store_->claim_swa_of_reps(indices, call);
+  if (swa_side) store_->claim_swa_of_representatives(indices, call);
   scope.confirm();
   if (swa_side) release_swa(by_index);
   if (full_side) release_claims(full(), by_index);

@@ -84,7 +84,6 @@ class HybridAllocator {
   void free_full_segment(Span indices, int64_t start_pos);
   void free_group_begin();
   void free_group_end();
-  bool in_free_group() const { return store_->full().group_open(); }
 
   // For a batch of running requests whose rows of req_to_token hold their slots, frees
   // the SWA pages that slid out of the window, exactly as free_swa_segment per due
@@ -106,7 +105,7 @@ class HybridAllocator {
   void free_slots(Span indices, Call call, bool full_side, bool swa_side);
   // Frees the full pages of the representatives indices[::page_size] (full_side) and the
   // SWA pages they map to (swa_side); by_index: as free() frees them (page size 1).
-  void free_reps(Span indices, Call call, bool full_side, bool swa_side, bool by_index);
+  void free_by_representatives(Span indices, Call call, bool full_side, bool swa_side, bool by_index);
   // free_segment / free_swa_segment / free_full_segment.
   void free_pages_of_segment(Span indices, int64_t start_pos, Call call, bool full_side, bool swa_side);
   // The SWA side of a free, once claimed: mapping cleared, pages released.

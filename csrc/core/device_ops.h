@@ -86,7 +86,7 @@ SWA_HD void unlock(int64_t* word) {
 // Counters of one pool. Each pool keeps two copies: an op that changes them reads one
 // and writes the other (element 0 writes), so no element reads a half-updated copy;
 // the host flips which copy is current.
-enum CtlWord : int64_t { kHead, kFreeCount, kStagedCount, kGroupIndexCount, kGroupPageCount, kCtlWords = 8 };
+enum CounterWord : int64_t { kHead, kFreeCount, kStagedCount, kGroupIndexCount, kGroupPageCount, kCounterWords = 8 };
 
 // The error a call's ops met: what, in which call, which argument, entry, value and
 // what else the host needs to word it as the CPU core does. Of several errors, the
@@ -147,8 +147,8 @@ struct Origin {
   }
 };
 
-// One pool's device arrays, seen from an op with the counter copy it reads (ctl_in)
-// and the one it writes (ctl_out).
+// One pool's device arrays, seen from an op with the counter copy it reads (counters_in)
+// and the one it writes (counters_out).
 struct PoolView {
   int64_t num_pages;
   PageGeometry page;
@@ -158,25 +158,25 @@ struct PoolView {
   int64_t* group_pages;  // the open group's pages freed by id, in call order
   StateWord* state;      // [num_pages + 1]
   int64_t* ring_pos;     // [num_pages + 1]: where in the ring each page was last written
-  const int64_t* ctl_in;
-  int64_t* ctl_out;
+  const int64_t* counters_in;
+  int64_t* counters_out;
 
   // Folds one period: the ops form positions within (-num_pages, 2 * num_pages) only,
   // having checked their counts first (can_take, has_room).
   SWA_HD int64_t wrap(int64_t pos) const {
     return pos >= num_pages ? pos - num_pages : pos < 0 ? pos + num_pages : pos;
   }
-  SWA_HD int64_t page_at(int64_t k) const { return ring[wrap(ctl_in[kHead] + k)]; }
+  SWA_HD int64_t page_at(int64_t k) const { return ring[wrap(counters_in[kHead] + k)]; }
   // Whether the free list holds n pages to take.
-  SWA_HD bool can_take(int64_t n) const { return n >= 0 && n <= ctl_in[kFreeCount]; }
+  SWA_HD bool can_take(int64_t n) const { return n >= 0 && n <= counters_in[kFreeCount]; }
   // Whether n more pages fit the list whose length is counter `word` (num_pages entries).
-  SWA_HD bool has_room(CtlWord word, int64_t n) const { return n >= 0 && ctl_in[word] <= num_pages - n; }
+  SWA_HD bool has_room(CounterWord word, int64_t n) const { return n >= 0 && counters_in[word] <= num_pages - n; }
   // Whether page p is one of the first n pages of the free list (the pages an allocation
   // of n pages is taking). A page in the free list is at its ring position; a page taken
   // since is not, as only free pages lie in the free list.
   SWA_HD bool among_first_free(int64_t p, int64_t n) const {
     const int64_t pos = ring_pos[p];
-    return ring[pos] == p && wrap(pos - ctl_in[kHead]) < n;
+    return ring[pos] == p && wrap(pos - counters_in[kHead]) < n;
   }
   // The state page p had before a launch that takes the first `taking` pages of the
   // free list, whose other elements may be marking those held as this one reads.
@@ -186,14 +186,14 @@ struct PoolView {
   SWA_HD bool holds_slot(int64_t slot) const { return slot_in_pool(slot, page, num_pages); }
   SWA_HD bool holds_page(int64_t p) const { return page_id_in_pool(p, num_pages); }
   SWA_HD PageState state_of(int64_t p) const { return static_cast<PageState>(state[p]); }
-  SWA_HD void copy_ctl() const {
-    for (int64_t w = 0; w < kCtlWords; ++w) ctl_out[w] = ctl_in[w];
+  SWA_HD void copy_counters() const {
+    for (int64_t w = 0; w < kCounterWords; ++w) counters_out[w] = counters_in[w];
   }
   // Takes the first n pages of the free list (their states are set by the op).
-  SWA_HD void take_ctl(int64_t n) const {
-    copy_ctl();
-    ctl_out[kHead] = wrap(ctl_in[kHead] + n);
-    ctl_out[kFreeCount] = ctl_in[kFreeCount] - n;
+  SWA_HD void take_counters(int64_t n) const {
+    copy_counters();
+    counters_out[kHead] = wrap(counters_in[kHead] + n);
+    counters_out[kFreeCount] = counters_in[kFreeCount] - n;
   }
 };
 
@@ -279,9 +279,9 @@ struct AllocSlotsOp {
     // device's (its refused pages were never released), and then nothing is handed out.
     const bool fits = full.can_take(need_full) && (!check.hybrid || swa.can_take(need_swa));
     if (i == 0) {
-      full.take_ctl(fits ? need_full : 0);
-      if (check.hybrid) swa.take_ctl(fits ? need_swa : 0);
-      if (!fits) check.origin.fail_in_order(-1, kCountsOff, 0, need_full, full.ctl_in[kFreeCount]);
+      full.take_counters(fits ? need_full : 0);
+      if (check.hybrid) swa.take_counters(fits ? need_swa : 0);
+      if (!fits) check.origin.fail_in_order(-1, kCountsOff, 0, need_full, full.counters_in[kFreeCount]);
     }
     const int64_t j = find_request(batch.words, batch.size, i);
     const int64_t t = i - batch.token_begin(j), prefix = batch.prefix(j), seq = batch.seq(j);
@@ -314,7 +314,7 @@ struct AllocSlotsOp {
 // How an input names the pages a free claims.
 enum class ClaimSource : int32_t {
   kSlot,        // input[i] is a slot (free, free_full)
-  kSegmentRep,  // input[i * page_size] stands for its page (*_segment)
+  kSegmentRepresentative,  // input[i * page_size] stands for its page (*_segment)
   kPageId,      // input[i] is a page id (free_page_ids)
 };
 
@@ -353,7 +353,7 @@ struct ClaimOp {
         return 0;
       }
     } else {
-      const int64_t entry = source == ClaimSource::kSegmentRep ? i * pool.page.size : i;
+      const int64_t entry = source == ClaimSource::kSegmentRepresentative ? i * pool.page.size : i;
       const int64_t slot = input[entry];
       if (!pool.holds_slot(slot)) {
         origin.fail(kSlotOutOfPool, entry, slot);
@@ -369,7 +369,7 @@ struct ClaimOp {
 
 // Claims the SWA page mapped from one full slot standing for its page; notes the
 // SWA page at swa_list[dest] and the full page at full_pages[dest].
-SWA_HD void claim_swa_of_rep(const PoolView& full, const PoolView& swa, const int64_t* mapping, int64_t full_slot,
+SWA_HD void claim_swa_of_representative(const PoolView& full, const PoolView& swa, const int64_t* mapping, int64_t full_slot,
                              int64_t entry, int64_t dest, int64_t* swa_list, int64_t* full_pages, const Origin& origin) {
   swa_list[dest] = 0;
   full_pages[dest] = 0;
@@ -398,7 +398,7 @@ struct ClaimSwaOp {
   SWA_HD void operator()(int64_t i) const {
     if (!slots_of_page) {
       const int64_t entry = i * full.page.size;
-      return claim_swa_of_rep(full, swa, mapping, input[entry], entry, i, swa_list, full_pages, origin);
+      return claim_swa_of_representative(full, swa, mapping, input[entry], entry, i, swa_list, full_pages, origin);
     }
     const int64_t slot = input[i];
     if (!full.holds_slot(slot)) return origin.fail(kSlotOutOfPool, i, slot);
@@ -433,7 +433,7 @@ struct ClaimEvictedOp {
     const int64_t row = due[num_due + 1 + j], evicted = due[2 * num_due + 1 + j], dest = due[3 * num_due + 1 + j] + u;
     const int64_t at = row * row_len + evicted + u * full.page.size;
     const int64_t full_slot = req_to_token32 != nullptr ? req_to_token32[at] : req_to_token64[at];
-    claim_swa_of_rep(full, swa, mapping, full_slot, j, dest, swa_list, full_pages, origin);
+    claim_swa_of_representative(full, swa, mapping, full_slot, j, dest, swa_list, full_pages, origin);
   }
 };
 
@@ -455,7 +455,7 @@ struct ClearMappedPagesOp {
 
 // Changes every page in state `from` to `to`: undoing a rejected call's claims, or
 // queueing a free() in an open free group. One element per page id.
-struct RestateOp {
+struct ReplaceStateOp {
   StateWord* state;
   StateWord from, to;
   SWA_HD void operator()(int64_t i) const {
@@ -464,7 +464,7 @@ struct RestateOp {
 };
 
 // The counter of the list a destination appends to.
-SWA_HD CtlWord count_word(Destination dest) {
+SWA_HD CounterWord count_word(Destination dest) {
   switch (dest) {
     case Destination::kStaged:
       return kStagedCount;
@@ -495,28 +495,28 @@ struct ReleaseOp {
 
   SWA_HD void operator()(int64_t i) const {
     const int64_t n = device_count != nullptr ? *device_count : count;
-    const int64_t* c = pool.ctl_in;
+    const int64_t* c = pool.counters_in;
     // Element 0 reports only when every element finds n unplaceable, so an element that
     // reads that report refuses as it would have anyway.
     const bool refused = error_code(origin.error) != kNoError;
     const bool placeable = n <= max_count && pool.has_room(count_word(dest), n);
     if (i == 0) {
-      pool.copy_ctl();
+      pool.copy_counters();
       if (!refused && !placeable) origin.fail_in_order(-1, kCountsOff, 0, n, pool.num_pages - c[count_word(dest)]);
       if (!refused && placeable) {
         switch (dest) {
           case Destination::kPrepend:
-            pool.ctl_out[kHead] = pool.wrap(c[kHead] - n);
-            pool.ctl_out[kFreeCount] = c[kFreeCount] + n;
+            pool.counters_out[kHead] = pool.wrap(c[kHead] - n);
+            pool.counters_out[kFreeCount] = c[kFreeCount] + n;
             break;
           case Destination::kAppend:
-            pool.ctl_out[kFreeCount] = c[kFreeCount] + n;
+            pool.counters_out[kFreeCount] = c[kFreeCount] + n;
             break;
           default:
-            pool.ctl_out[count_word(dest)] = c[count_word(dest)] + n;
+            pool.counters_out[count_word(dest)] = c[count_word(dest)] + n;
             break;
         }
-        if (reset_word >= 0) pool.ctl_out[reset_word] = 0;
+        if (reset_word >= 0) pool.counters_out[reset_word] = 0;
       }
     }
     if (refused || !placeable || i >= n) return;
@@ -557,10 +557,10 @@ struct RebuildFreeListOp {
   SWA_HD void operator()(int64_t i) const {
     const int64_t n = *count;
     if (i == 0) {
-      pool.copy_ctl();
-      pool.ctl_out[kHead] = 0;
-      pool.ctl_out[kFreeCount] = n;
-      pool.ctl_out[kStagedCount] = 0;
+      pool.copy_counters();
+      pool.counters_out[kHead] = 0;
+      pool.counters_out[kFreeCount] = n;
+      pool.counters_out[kStagedCount] = 0;
     }
     if (i >= n) return;
     pool.ring[i] = sorted[i];
@@ -573,11 +573,11 @@ struct RebuildFreeListOp {
 // 0..num_pages; writes counter copy 0.
 struct ResetPoolOp {
   PoolView pool;
-  int64_t* ctl0;
+  int64_t* counters0;
   SWA_HD void operator()(int64_t i) const {
     if (i == 0) {
-      for (int64_t w = 0; w < kCtlWords; ++w) ctl0[w] = 0;
-      ctl0[kFreeCount] = pool.num_pages;
+      for (int64_t w = 0; w < kCounterWords; ++w) counters0[w] = 0;
+      counters0[kFreeCount] = pool.num_pages;
       pool.state[0] = kHeld;
       return;
     }
@@ -646,7 +646,7 @@ struct SetMappingOp {
   X(dev::ClaimSwaOp)       \
   X(dev::ClaimEvictedOp)   \
   X(dev::ClearMappedPagesOp) \
-  X(dev::RestateOp)        \
+  X(dev::ReplaceStateOp)        \
   X(dev::ReleaseOp)        \
   X(dev::RebuildFreeListOp) \
   X(dev::ResetPoolOp)      \

@@ -25,7 +25,7 @@ const char* name_of(const char* const* names, size_t count, int64_t id) {
 
 DeviceControl::DeviceControl(std::shared_ptr<Executor> executor, int num_pools, bool debug)
     : executor_(std::move(executor)), num_pools_(num_pools), debug_(debug) {
-  words_ = executor_->allocate(dev::kErrWords + 2 * dev::kCtlWords * num_pools_);
+  words_ = executor_->allocate(dev::kErrWords + 2 * dev::kCounterWords * num_pools_);
 }
 
 void DeviceControl::detach(DevicePool* pool) { pools_.erase(std::find(pools_.begin(), pools_.end(), pool)); }
@@ -45,7 +45,7 @@ void DeviceControl::throw_if_poisoned() const {
 
 void DeviceControl::start_count_readback() {
   for (DevicePool* pool : pools_) pool->count_readback_started();
-  executor_->start_readback(words_, dev::kErrWords + 2 * dev::kCtlWords * num_pools_);
+  executor_->start_readback(words_, dev::kErrWords + 2 * dev::kCounterWords * num_pools_);
   readback_pending_ = true;
 }
 
@@ -182,9 +182,9 @@ DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t
 }
 
 dev::PoolView DevicePool::view() {
-  int64_t* ctl = control_->ctl(slot_);
+  int64_t* counters = control_->counters(slot_);
   return dev::PoolView{num_pages_, page_, ring_, staged_, group_index_, group_pages_, state_, ring_pos_,
-                       ctl + parity_ * dev::kCtlWords, ctl + (1 - parity_) * dev::kCtlWords};
+                       counters + parity_ * dev::kCounterWords, counters + (1 - parity_) * dev::kCounterWords};
 }
 
 int64_t DevicePool::free_pages() {
@@ -204,14 +204,14 @@ void DevicePool::set_group_open(bool open) {
 
 void DevicePool::count_readback_finished(const int64_t* record) {
   if (!base_unknown_) return;
-  const int64_t* ctl = record + dev::kErrWords + 2 * dev::kCtlWords * slot_ + base_parity_ * dev::kCtlWords;
-  free_count_ += ctl[dev::kFreeCount];
-  staged_count_ += ctl[dev::kStagedCount];
+  const int64_t* counters = record + dev::kErrWords + 2 * dev::kCounterWords * slot_ + base_parity_ * dev::kCounterWords;
+  free_count_ += counters[dev::kFreeCount];
+  staged_count_ += counters[dev::kStagedCount];
   base_unknown_ = false;
 }
 
 void DevicePool::reset_pool() {
-  control_->exec().run(num_pages_ + 1, dev::ResetPoolOp{view(), control_->ctl(slot_)});
+  control_->exec().run(num_pages_ + 1, dev::ResetPoolOp{view(), control_->counters(slot_)});
   parity_ = 0;
   free_count_ = num_pages_;
   staged_count_ = 0;
@@ -305,10 +305,10 @@ void DevicePool::claim_slots(Span indices, Call call) {
 }
 
 void DevicePool::claim_segment(Span indices, Call call) {
-  const int64_t reps = page_.pages_for(indices.size);
-  check_page_count("indices", reps);
-  if (reps == 0) return;
-  defer_claim(reps, reps, dev::ClaimOp{view(), indices.data, dev::ClaimSource::kSegmentRep, false, list_,
+  const int64_t pages = page_.pages_for(indices.size);
+  check_page_count("indices", pages);
+  if (pages == 0) return;
+  defer_claim(pages, pages, dev::ClaimOp{view(), indices.data, dev::ClaimSource::kSegmentRepresentative, false, list_,
                                        control_->origin(call, kArgIndices)});
 }
 
@@ -319,13 +319,13 @@ void DevicePool::claim_page_ids(Span pages, Call call) {
                                                    control_->origin(call, kArgPageIds)});
 }
 
-void DevicePool::restate_claims() {
-  control_->exec().run(num_pages_, dev::RestateOp{state_, dev::kClaimed, dev::kHeld});
+void DevicePool::unclaim_all() {
+  control_->exec().run(num_pages_, dev::ReplaceStateOp{state_, dev::kClaimed, dev::kHeld});
   claim_count_ = 0;
 }
 
 void DevicePool::undo_claims() {
-  if (control_->drop_claims()) restate_claims();
+  if (control_->drop_claims()) unclaim_all();
   claim_count_ = 0;
 }
 
@@ -368,7 +368,7 @@ void DevicePool::release_claims(Destination dest, ReleaseOrder order) {
   if (order == ReleaseOrder::kClaimOrder) return release(list_, count, nullptr, count, dest, -1);
   // Page order: the claimed pages, however many there were, from a scan of the states.
   if (dest == Destination::kGroupIndex) {
-    control_->exec().run(num_pages_, dev::RestateOp{state_, dev::kClaimed, dev::kQueuedByIndex});
+    control_->exec().run(num_pages_, dev::ReplaceStateOp{state_, dev::kClaimed, dev::kQueuedByIndex});
     group_has_index_frees_ = true;
     return;
   }
@@ -393,17 +393,17 @@ PagePool DevicePool::snapshot() {
   // hybrid store's backup does) rather than hand out what the refused call left.
   control_->raise_found_errors();
   Executor& exec = control_->exec();
-  int64_t ctl[dev::kCtlWords];
-  exec.copy_to_host(ctl, control_->ctl(slot_) + parity_ * dev::kCtlWords, dev::kCtlWords);
+  int64_t counters[dev::kCounterWords];
+  exec.copy_to_host(counters, control_->counters(slot_) + parity_ * dev::kCounterWords, dev::kCounterWords);
   // The ops keep every count within the pool; one that is not would size the copies below.
-  for (const dev::CtlWord word : {dev::kHead, dev::kFreeCount, dev::kStagedCount, dev::kGroupIndexCount,
+  for (const dev::CounterWord word : {dev::kHead, dev::kFreeCount, dev::kStagedCount, dev::kGroupIndexCount,
                                   dev::kGroupPageCount})
-    if (ctl[word] < 0 || ctl[word] > num_pages_ || (word == dev::kHead && ctl[word] == num_pages_))
-      throw std::logic_error("device pool counter " + std::to_string(word) + " is " + std::to_string(ctl[word]) +
+    if (counters[word] < 0 || counters[word] > num_pages_ || (word == dev::kHead && counters[word] == num_pages_))
+      throw std::logic_error("device pool counter " + std::to_string(word) + " is " + std::to_string(counters[word]) +
                              ", outside a pool of " + std::to_string(num_pages_) + " pages");
-  std::vector<int64_t> ring(static_cast<size_t>(num_pages_)), free_list(static_cast<size_t>(ctl[dev::kFreeCount]));
+  std::vector<int64_t> ring(static_cast<size_t>(num_pages_)), free_list(static_cast<size_t>(counters[dev::kFreeCount]));
   exec.copy_to_host(ring.data(), ring_, num_pages_);
-  for (int64_t k = 0; k < ctl[dev::kFreeCount]; ++k) free_list[k] = ring[(ctl[dev::kHead] + k) % num_pages_];
+  for (int64_t k = 0; k < counters[dev::kFreeCount]; ++k) free_list[k] = ring[(counters[dev::kHead] + k) % num_pages_];
   const auto download = [&](const int64_t* src, int64_t n) {
     std::vector<int64_t> v(static_cast<size_t>(n));
     exec.copy_to_host(v.data(), src, n);
@@ -414,14 +414,14 @@ PagePool DevicePool::snapshot() {
   const dev::StateWord* words = reinterpret_cast<const dev::StateWord*>(state_words.data());
   std::vector<PageState> state(static_cast<size_t>(num_pages_ + 1));
   std::vector<int64_t> queued_by_index =
-      token_mode() ? download(group_index_, ctl[dev::kGroupIndexCount]) : std::vector<int64_t>();
+      token_mode() ? download(group_index_, counters[dev::kGroupIndexCount]) : std::vector<int64_t>();
   for (int64_t p = 0; p <= num_pages_; ++p) {
     state[p] = static_cast<PageState>(words[p]);
     if (!token_mode() && words[p] == dev::kQueuedByIndex) queued_by_index.push_back(p);
   }
-  PagePool pool = PagePool::from_parts(size_, page_.size, need_sort_, free_list, download(staged_, ctl[dev::kStagedCount]),
+  PagePool pool = PagePool::from_parts(size_, page_.size, need_sort_, free_list, download(staged_, counters[dev::kStagedCount]),
                                        std::move(state), group_open_, std::move(queued_by_index),
-                                       download(group_pages_, ctl[dev::kGroupPageCount]));
+                                       download(group_pages_, counters[dev::kGroupPageCount]));
   return pool;
 }
 
@@ -442,17 +442,17 @@ void DevicePool::restore_pool(const PagePool& pool) {
   dev::StateWord* words = reinterpret_cast<dev::StateWord*>(state_words.data());
   for (int64_t p = 0; p <= num_pages_; ++p) words[p] = dev::state_word(pool.state(p));
   exec.copy_to_device(reinterpret_cast<int64_t*>(state_), state_words.data(), static_cast<int64_t>(state_words.size()));
-  int64_t ctl[dev::kCtlWords] = {};
-  ctl[dev::kFreeCount] = static_cast<int64_t>(free_list.size());
-  ctl[dev::kStagedCount] = static_cast<int64_t>(staged.size());
+  int64_t counters[dev::kCounterWords] = {};
+  counters[dev::kFreeCount] = static_cast<int64_t>(free_list.size());
+  counters[dev::kStagedCount] = static_cast<int64_t>(staged.size());
   group_index_count_ = token_mode() ? static_cast<int64_t>(by_index.size()) : 0;
   group_page_count_ = static_cast<int64_t>(by_page.size());
-  ctl[dev::kGroupIndexCount] = group_index_count_;
-  ctl[dev::kGroupPageCount] = group_page_count_;
-  exec.copy_to_device(control_->ctl(slot_), ctl, dev::kCtlWords);
+  counters[dev::kGroupIndexCount] = group_index_count_;
+  counters[dev::kGroupPageCount] = group_page_count_;
+  exec.copy_to_device(control_->counters(slot_), counters, dev::kCounterWords);
   parity_ = 0;
-  free_count_ = ctl[dev::kFreeCount];
-  staged_count_ = ctl[dev::kStagedCount];
+  free_count_ = counters[dev::kFreeCount];
+  staged_count_ = counters[dev::kStagedCount];
   base_unknown_ = false;
   group_open_ = pool.group_open();
   group_has_index_frees_ = !token_mode() && !by_index.empty();
@@ -559,14 +559,14 @@ void DeviceHybridStore::claim_swa_of_pages(Span indices, bool, Call call) {
   note_mapped(indices.data, indices.size);
 }
 
-void DeviceHybridStore::claim_swa_of_reps(Span indices, Call call) {
-  const int64_t reps = page_.pages_for(indices.size);
-  swa_->check_page_count("indices", reps);
-  full_->check_page_count("indices", reps);
-  if (reps == 0) return;
-  swa_->defer_claim(reps, reps, dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, indices.data, false,
+void DeviceHybridStore::claim_swa_of_representatives(Span indices, Call call) {
+  const int64_t pages = page_.pages_for(indices.size);
+  swa_->check_page_count("indices", pages);
+  full_->check_page_count("indices", pages);
+  if (pages == 0) return;
+  swa_->defer_claim(pages, pages, dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, indices.data, false,
                                                 swa_->list(), full_pages_, control_->origin(call, kArgIndices)});
-  note_mapped(nullptr, reps);
+  note_mapped(nullptr, pages);
 }
 
 void DeviceHybridStore::claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) {
@@ -586,8 +586,8 @@ void DeviceHybridStore::claim_swa_of_evicted(const SlotRows& rows, const Evictio
 
 void DeviceHybridStore::undo_claims() {
   if (control_->drop_claims()) {
-    full_->restate_claims();
-    swa_->restate_claims();
+    full_->unclaim_all();
+    swa_->unclaim_all();
   }
   full_->undo_claims();
   swa_->undo_claims();

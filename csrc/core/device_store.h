@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "executor.h"
-#include "host_store.h"
+#include "page_pool.h"
 
 namespace swa {
 
@@ -43,7 +43,7 @@ class DeviceControl {
   DeviceControl(std::shared_ptr<Executor> executor, int num_pools, bool debug);
   Executor& exec() { return *executor_; }
   bool debug() const { return debug_; }
-  int64_t* ctl(int pool) { return words_ + dev::kErrWords + 2 * dev::kCtlWords * pool; }
+  int64_t* counters(int pool) { return words_ + dev::kErrWords + 2 * dev::kCounterWords * pool; }
   // Each origin stands for one launch, numbered in the order they are made (and launched).
   dev::Origin origin(Call call, Arg arg) { return dev::Origin{words_, call, arg, ++launches_}; }
   // A release's: it blames no argument (its counts come from the call's claims).
@@ -145,7 +145,7 @@ class DevicePool final : public PoolStore {
     control_->defer_claim([this, launch, op] { control_->exec().run(launch, op); });
   }
   // The claimed pages held again (the claims were launched).
-  void restate_claims();
+  void unclaim_all();
   // The device's buffers hold num_pages entries: a free naming more pages frees one twice.
   void check_page_count(const char* arg, int64_t pages) const;
   void reset_pool();  // clear() without the control's reset, which the hybrid store does once
@@ -198,8 +198,8 @@ class DeviceHybridStore final : public HybridStore {
   void set_mapping(Span full_indices, Span swa_indices) override;
   void clear_mapping(Span full_indices) override;
   void claim_swa_of_pages(Span indices, bool full_claimed, Call call) override;
-  void claim_swa_of_reps(Span indices, Call call) override;
-  bool free_reps_at_once(Span, bool, bool, Destination, Destination) override { return false; }
+  void claim_swa_of_representatives(Span indices, Call call) override;
+  bool free_representatives_at_once(Span, bool, bool, Destination, Destination) override { return false; }
   void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) override;
   void confirm_claims() override { control_->launch_claims(); }
   void undo_claims() override;

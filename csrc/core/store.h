@@ -129,13 +129,13 @@ class HybridStore {
   // full_claimed: the call claimed the full pages of indices just before (free()), so
   // the store may take the pages from those claims.
   virtual void claim_swa_of_pages(Span indices, bool full_claimed, Call call) = 0;
-  virtual void claim_swa_of_reps(Span indices, Call call) = 0;
+  virtual void claim_swa_of_representatives(Span indices, Call call) = 0;
   // The whole free of the pages of the representatives indices[::page_size] (full_side)
   // and of the SWA pages they map to (swa_side), released in claim order to full_dest and
   // swa_dest, in one pass: claimed, placed, mapping cleared. False, with nothing changed,
   // where the store does not do it so (the device store, whose claims are ops) or finds a
   // fault; the caller's ordered claims then free or name the fault.
-  virtual bool free_reps_at_once(Span indices, bool full_side, bool swa_side, Destination full_dest,
+  virtual bool free_representatives_at_once(Span indices, bool full_side, bool swa_side, Destination full_dest,
                                  Destination swa_dest) = 0;
   virtual void claim_swa_of_evicted(const SlotRows& rows, const EvictionPlan& plan) = 0;
   // As PoolStore's, on both pools.

@@ -29,6 +29,15 @@ namespace swa_docs {
   "Raises ValueError (a bad value; the message starts with the argument's name) or\n"               \
   "TypeError (a bad type, dtype or device), leaving the allocator as it was;\n"                     \
   "swa_ext.ConcurrentUseError when another call on this allocator is still running.\n"
+// What both allocators' constructors say of device, need_sort and kernels, and what they raise.
+#define SWA_DOC_INIT_DEVICE_ARGS                                                                       \
+  "device: 'cpu' or 'cuda'; need_sort: freed pages wait in a staging list (release_pages)\n"         \
+  "and are merged into the sorted free list when an allocation needs them; kernels: 'auto'\n"        \
+  "(what the device implies), 'cpu' or 'cuda' (the same, stated; the values of the kernels\n"       \
+  "property), or 'emulated' (device='cpu' only) to run the GPU algorithm on the CPU.\n"
+#define SWA_DOC_INIT_RAISES(sizes)                                                                     \
+  "Raises ValueError or TypeError naming the bad argument, and MemoryError naming " sizes "\n"       \
+  "(with the bytes its tables need) when they cannot be allocated."
 #define SWA_DOC_DEFERRED                                                                               \
   "On a CUDA allocator, checks that need index values run on the GPU: a failure surfaces\n"         \
   "later as swa_ext.DeferredError (at once with SWA_EXT_DEBUG=1); README, \"CUDA\".\n"
@@ -65,13 +74,8 @@ inline constexpr char pool_class[] =
     "are views of its two pools: same free lists, same concurrency guard.";
 
 inline constexpr char pool_init[] =
-    "size: slots (tokens), at least one page; page_size: slots per page; device: 'cpu' or\n"
-    "'cuda'; need_sort: freed pages wait in a staging list (release_pages) and are merged\n"
-    "into the sorted free list when an allocation needs them; kernels: 'auto' (what the\n"
-    "device implies), 'cpu' or 'cuda' (the same, stated), or 'emulated' (device='cpu' only)\n"
-    "to run the GPU algorithm element by element on the CPU.\n"
-    "Raises ValueError or TypeError naming the bad argument, and MemoryError naming size\n"
-    "(with the bytes its tables need) when they cannot be allocated.";
+    "size: slots (tokens), at least one page; page_size: slots per page;\n" SWA_DOC_INIT_DEVICE_ARGS
+    SWA_DOC_INIT_RAISES("size");
 
 inline constexpr char pool_init_shared[] = "A second handle on the pool `shared` (how a hybrid allocator's pool views are made).";
 
@@ -161,11 +165,8 @@ inline constexpr char hybrid_class[] =
 
 inline constexpr char hybrid_init[] =
     "size, size_swa: the full and SWA pools' slots (tokens), at least one page each;\n"
-    "page_size: slots per page; device: 'cpu' or 'cuda'; need_sort: freed pages are staged\n"
-    "and merged sorted; kernels: 'auto' (what the device implies), 'cpu' or 'cuda' (the\n"
-    "same, stated; the values of the kernels property), or 'emulated' (device='cpu' only).\n"
-    "Raises ValueError or TypeError naming the bad argument, and MemoryError naming size or\n"
-    "size_swa (with the bytes its tables need) when they cannot be allocated.";
+    "page_size: slots per page, the same in both pools;\n" SWA_DOC_INIT_DEVICE_ARGS
+    SWA_DOC_INIT_RAISES("size or size_swa");
 
 inline constexpr char hybrid_page_size[] = "Slots (tokens) per page, the same in both pools.";
 inline constexpr char hybrid_size[] = "min(size_full, size_swa), in slots (tokens).";

@@ -150,23 +150,35 @@ TEST(DeviceAllocator, AFreeGroupFreesTheUnionOfItsFreeCalls) {
   EXPECT_EQ(p.dev.available_size(), 16 * 16);
 }
 
+namespace {
+
+// Three requests of 40, 10 and 33 tokens (page size 4) in rows 1, 2 and 0 of a table of
+// 64-slot rows, then one batched eviction of all three on both cores; returns the table.
+V evict_three_requests(Pair& p) {
+  const int64_t row_len = 64;
+  V req_to_token(static_cast<size_t>(3 * row_len));
+  const V lens{40, 10, 33};
+  for (int64_t r = 0; r < 3; ++r) {
+    const V slots = p.extend({0}, {lens[r]}, {-1}, lens[r]);
+    std::copy(slots.begin(), slots.end(), req_to_token.begin() + r * row_len);
+  }
+  p.expect_same();
+  const V rows{2, 0, 1}, pre{33, 40, 10}, evicted{0, 8, 0};
+  V cpu_next(3), dev_next(3);
+  const SlotRows table{nullptr, req_to_token.data(), 3, row_len};
+  p.cpu.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, cpu_next.data());
+  p.dev.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, dev_next.data());
+  EXPECT_EQ(cpu_next, dev_next);
+  p.expect_same();
+  return req_to_token;
+}
+
+}  // namespace
+
 TEST(DeviceAllocator, BatchedEvictionReleasesAsOneSegmentFreePerRequest) {
   for (const bool need_sort : {false, true}) {
-    const int64_t ps = 4, row_len = 64;
-    Pair p(128 * ps, 128 * ps, ps, need_sort);
-    V req_to_token(static_cast<size_t>(3 * row_len));
-    const V lens{40, 10, 33};
-    for (int64_t r = 0; r < 3; ++r) {
-      const V slots = p.extend({0}, {lens[r]}, {-1}, lens[r]);
-      std::copy(slots.begin(), slots.end(), req_to_token.begin() + r * row_len);
-    }
-    const V rows{2, 0, 1}, pre{33, 40, 10}, evicted{0, 8, 0};
-    V cpu_next(3), dev_next(3);
-    const SlotRows table{nullptr, req_to_token.data(), 3, row_len};
-    p.cpu.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, cpu_next.data());
-    p.dev.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, dev_next.data());
-    EXPECT_EQ(cpu_next, dev_next);
-    p.expect_same();
+    Pair p(128 * 4, 128 * 4, 4, need_sort);
+    evict_three_requests(p);
   }
 }
 
@@ -259,10 +271,10 @@ struct RawPool {
   static constexpr int64_t kPages = 8;
   V ring = V(kPages), staged = V(kPages), group_index = V(kPages), group_pages = V(kPages), ring_pos = V(kPages + 1);
   std::vector<dev::StateWord> state = std::vector<dev::StateWord>(kPages + 1, dev::kHeld);
-  V ctl = V(2 * dev::kCtlWords), error = V(dev::kErrWords);
+  V counters = V(2 * dev::kCounterWords), error = V(dev::kErrWords);
   dev::PoolView view() {
     return dev::PoolView{kPages, PageGeometry(1), ring.data(), staged.data(), group_index.data(), group_pages.data(),
-                         state.data(), ring_pos.data(), ctl.data(), ctl.data() + dev::kCtlWords};
+                         state.data(), ring_pos.data(), counters.data(), counters.data() + dev::kCounterWords};
   }
   dev::Origin origin() { return dev::Origin{error.data(), kCallFree, kArgIndices, 1}; }
 };
@@ -275,8 +287,8 @@ TEST(DeviceAllocator, AReleaseThatWouldOverfillItsListMovesNothing) {
   for (const Destination dest : {Destination::kPrepend, Destination::kAppend, Destination::kStaged,
                                  Destination::kGroupIndex, Destination::kGroupPages}) {
     RawPool pool;
-    const dev::CtlWord word = dev::count_word(dest);
-    pool.ctl[word] = RawPool::kPages - 1;  // room for one page
+    const dev::CounterWord word = dev::count_word(dest);
+    pool.counters[word] = RawPool::kPages - 1;  // room for one page
     const V pages{1, 2, 3};
     const RawPool before = pool;
     HostExecutor exec;
@@ -287,7 +299,7 @@ TEST(DeviceAllocator, AReleaseThatWouldOverfillItsListMovesNothing) {
     EXPECT_EQ(pool.group_index, before.group_index);
     EXPECT_EQ(pool.group_pages, before.group_pages);
     EXPECT_EQ(pool.state, before.state);
-    EXPECT_EQ(V(pool.ctl.begin() + dev::kCtlWords, pool.ctl.end()), V(pool.ctl.begin(), pool.ctl.begin() + dev::kCtlWords))
+    EXPECT_EQ(V(pool.counters.begin() + dev::kCounterWords, pool.counters.end()), V(pool.counters.begin(), pool.counters.begin() + dev::kCounterWords))
         << "the written counter copy is the read one";
   }
 }
@@ -301,7 +313,7 @@ TEST(DeviceAllocator, AReleaseAfterARefusedClaimMovesNothing) {
   exec.run(3, dev::ReleaseOp{pool.view(), pages.data(), 3, nullptr, 3, Destination::kAppend, -1, pool.origin()});
   EXPECT_EQ(pool.ring, before.ring);
   EXPECT_EQ(pool.state, before.state);
-  EXPECT_EQ(pool.ctl[dev::kCtlWords + dev::kFreeCount], 0) << "the refused entry moved a count";
+  EXPECT_EQ(pool.counters[dev::kCounterWords + dev::kFreeCount], 0) << "the refused entry moved a count";
   EXPECT_EQ(pool.error[dev::kErrCode], dev::kClaimRefused);
 }
 
@@ -374,23 +386,9 @@ TEST(DeviceAllocator, ThreadedLaunchesRunEveryElementOnce) {
 // The lifecycle and a batched eviction on threads, against the CPU core.
 TEST(DeviceAllocator, ThreadedEmulationMatchesTheCpuCore) {
   for (const int threads : {3, 11, 32}) {
-    const int64_t ps = 4, row_len = 64;
-    Pair p(128 * ps, 64 * ps, ps, threads % 2 == 1, false, threads);
-    V req_to_token(static_cast<size_t>(3 * row_len));
-    const V lens{40, 10, 33};
-    for (int64_t r = 0; r < 3; ++r) {
-      const V slots = p.extend({0}, {lens[r]}, {-1}, lens[r]);
-      std::copy(slots.begin(), slots.end(), req_to_token.begin() + r * row_len);
-    }
-    p.expect_same();
-    const V rows{2, 0, 1}, pre{33, 40, 10}, evicted{0, 8, 0};
-    V cpu_next(3), dev_next(3);
-    const SlotRows table{nullptr, req_to_token.data(), 3, row_len};
-    p.cpu.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, cpu_next.data());
-    p.dev.evict_out_of_window(table, rows, pre, evicted, 8, 1, false, dev_next.data());
-    EXPECT_EQ(cpu_next, dev_next);
-    p.expect_same();
-    const V first(req_to_token.begin() + row_len, req_to_token.begin() + row_len + 10);
+    Pair p(128 * 4, 64 * 4, 4, threads % 2 == 1, false, threads);
+    const V req_to_token = evict_three_requests(p);
+    const V first(req_to_token.begin() + 64, req_to_token.begin() + 64 + 10);
     p.cpu.free(first);
     p.dev.free(first);
     p.expect_same();

@@ -10,21 +10,14 @@
 
 #include "../../csrc/cuda/error_watch.h"
 #include "../../csrc/cuda/event_query.h"
+#include "fake_stream.h"
 
 namespace {
 
 using V = std::vector<int64_t>;
 
-// One stream: copies are enqueued and run in order, when the test lets the device catch up.
-struct FakeStream {
-  struct Copy {
-    int64_t* dst;
-    const int64_t* src;
-    int64_t words;
-  };
-  std::vector<Copy> queue;
-  size_t ran = 0;
-  size_t marks[8] = {};
+// The watch's device: one fake stream, whose copies run when the test lets it catch up.
+struct FakeWatchDevice : FakeStream {
   std::vector<std::unique_ptr<int64_t[]>> host_blocks;
   int waits = 0;
 
@@ -32,31 +25,21 @@ struct FakeStream {
     host_blocks.emplace_back(new int64_t[static_cast<size_t>(words)]());
     return host_blocks.back().get();
   }
-  void free_host(int64_t* block) {
-    for (size_t k = ran; k < queue.size(); ++k) EXPECT_NE(queue[k].dst, block) << "freed under a pending copy";
-  }
-  void copy_to_host_async(int64_t* dst, const int64_t* src, int64_t words) {
-    // The copy reads the source when it runs, as a stream does.
-    queue.push_back(Copy{dst, src, words});
-  }
-  void mark(int slot) { marks[slot] = queue.size(); }
-  bool done(int slot) { return ran >= marks[slot]; }
+  void free_host(int64_t* block) { EXPECT_FALSE(pending_on(block)) << "freed under a pending copy"; }
+  void copy_to_host_async(int64_t* dst, const int64_t* src, int64_t words) { enqueue(dst, src, words); }
+  bool done(int slot) { return passed(slot); }
   void wait(int slot) {
     ++waits;
     run_until(marks[slot]);
   }
-  void run_until(size_t end) {
-    for (; ran < end; ++ran) std::copy(queue[ran].src, queue[ran].src + queue[ran].words, queue[ran].dst);
-  }
-  void run_all() { run_until(queue.size()); }
 };
 
-using Watch = swa::cuda::ErrorWatch<FakeStream, 4>;
+using Watch = swa::cuda::ErrorWatch<FakeWatchDevice, 4>;
 
 }  // namespace
 
 TEST(ErrorWatch, ACopyIsReadOnlyOnceItLandedAndTheNewestLandedWins) {
-  FakeStream stream;
+  FakeWatchDevice stream;
   V record(4, 0);
   Watch watch(stream, 4);
   watch.watch(record.data());
@@ -72,7 +55,7 @@ TEST(ErrorWatch, ACopyIsReadOnlyOnceItLandedAndTheNewestLandedWins) {
 }
 
 TEST(ErrorWatch, WhenEverySlotIsInFlightNothingIsEnqueuedAndNothingWaits) {
-  FakeStream stream;
+  FakeWatchDevice stream;
   V record(4, 0);
   Watch watch(stream, 4);
   for (int k = 0; k < 10; ++k) watch.watch(record.data());
@@ -89,7 +72,7 @@ TEST(ErrorWatch, WhenEverySlotIsInFlightNothingIsEnqueuedAndNothingWaits) {
 }
 
 TEST(ErrorWatch, CopiesMadeBeforeTheRecordWasClearedDoNotCount) {
-  FakeStream stream;
+  FakeWatchDevice stream;
   V record(4, 0);
   record[0] = 3;
   Watch watch(stream, 4);

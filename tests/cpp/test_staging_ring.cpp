@@ -9,22 +9,14 @@
 #include <vector>
 
 #include "../../csrc/cuda/staging_ring.h"
+#include "fake_stream.h"
 
 namespace {
 
 using V = std::vector<int64_t>;
 
-// One stream: copies are enqueued and run in order, up to an event when it is waited for.
-struct FakeDevice {
-  struct Copy {
-    int64_t* dst;
-    const int64_t* src;
-    int64_t words;
-  };
-  std::vector<Copy> queue;  // enqueued, not run
-  std::vector<V> delivered;  // what each copy read, as it ran
-  size_t marks[8] = {};  // slot -> queue position its event stands at (copies run before it)
-  size_t ran = 0;  // copies run so far (queue index)
+// The ring's device: one fake stream, whose copies run when an event is waited for.
+struct FakeDevice : FakeStream {
   std::vector<std::unique_ptr<int64_t[]>> device_blocks;
   std::vector<int64_t*> host_live;
   int host_allocs = 0, device_allocs = 0, waits = 0;
@@ -37,7 +29,9 @@ struct FakeDevice {
   }
   void free_host(int64_t* block) {
     // A block goes back only once every copy from it has run (after a fault none will).
-    for (size_t k = ran; k < queue.size() && !fail_waits; ++k) EXPECT_NE(queue[k].src, block) << "freed under a pending copy";
+    if (!fail_waits) {
+      EXPECT_FALSE(pending_on(block)) << "freed under a pending copy";
+    }
     host_live.erase(std::find(host_live.begin(), host_live.end(), block));
     delete[] block;
   }
@@ -46,21 +40,12 @@ struct FakeDevice {
     device_blocks.emplace_back(new int64_t[static_cast<size_t>(words)]());
     return device_blocks.back().get();
   }
-  void copy_async(int64_t* dst, const int64_t* src, int64_t words) { queue.push_back(Copy{dst, src, words}); }
-  void mark(int slot) { marks[slot] = queue.size(); }
+  void copy_async(int64_t* dst, const int64_t* src, int64_t words) { enqueue(dst, src, words); }
   void wait(int slot) {
     ++waits;
     if (fail_waits) throw std::runtime_error("device fault");
     run_until(marks[slot]);
   }
-  void run_until(size_t end) {
-    for (; ran < end; ++ran) {
-      const Copy& c = queue[ran];
-      std::copy(c.src, c.src + c.words, c.dst);
-      delivered.emplace_back(c.src, c.src + c.words);
-    }
-  }
-  void run_all() { run_until(queue.size()); }
   ~FakeDevice() {
     for (int64_t* block : host_live) delete[] block;
   }

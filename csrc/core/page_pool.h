@@ -1,0 +1,276 @@
+// PagePool: one pool of pages in host memory (an ordered free list of page ids, the
+// need_sort staging list, free-group queues, a state per page). It is the CPU store's
+// pool and also the value a snapshot of any pool takes, the device store's included
+// (AllocatorState: a hybrid allocator's), which is why both stores include this header.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "store.h"
+
+namespace swa {
+
+// The page of slot if it lies in a pool of num_pages pages and is held, so that a free
+// may claim it; -1 where claiming it (a repeat being a double free) would throw.
+inline int64_t held_page(int64_t slot, const PageGeometry& geometry, int64_t num_pages, const PageState* state) {
+  if (!slot_in_pool(slot, geometry, num_pages)) return -1;
+  const int64_t page = geometry.page(slot);
+  return state[page] == PageState::kHeld ? page : -1;
+}
+
+class PagePool final : public PoolStore {
+ public:
+  PagePool(int64_t size, int64_t page_size, bool need_sort);
+  // A pool with the given contents (a device pool's snapshot); check_invariants() vets it.
+  static PagePool from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
+                             std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
+                             std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids);
+
+  // PoolStore
+  int64_t size() const override { return size_; }
+  int64_t capacity() const override { return capacity_; }
+  const PageGeometry& geometry() const override { return geometry_; }
+  int64_t num_pages() const override { return num_pages_; }
+  bool need_sort() const override { return need_sort_; }
+  int64_t free_pages() override { return free_count_; }
+  int64_t staged_pages() override { return static_cast<int64_t>(staged_.size()); }
+  bool group_open() const override { return group_open_; }
+  void set_group_open(bool open) override { group_open_ = open; }
+  void check_usable() override {}
+  void merge() override;
+  void validate_batch(const BatchLengths& batch, const LastLoc& last_loc, Call call) override;
+  void write_batch(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call,
+                   OutBuffer& out) override;
+  void claim_slots(Span indices, Call call) override;
+  void claim_segment(Span indices, Call call) override;
+  void claim_page_ids(Span pages, Call call) override;
+  void confirm_claims() override {}
+  void undo_claims() override;
+  void release_claims(Destination dest, ReleaseOrder order) override;
+  void release_group(GroupQueue queue, Destination dest, ReleaseOrder order) override;
+  void clear() override;
+  void resize(int64_t size) override;
+  PagePool snapshot() override { return *this; }
+  void restore(const PagePool& state) override;
+
+  int64_t page_size() const { return geometry_.size; }
+  // One past the largest token index this pool hands out.
+  int64_t index_end() const { return (num_pages_ + 1) * geometry_.size; }
+
+  // Building blocks for the hybrid store; the checks inline, their failures out of line.
+  int64_t page_of(const char* arg, int64_t index) const {  // checks the range
+    if (!slot_in_pool(index, geometry_, num_pages_)) refuse_slot(arg, index);
+    return geometry_.page(index);
+  }
+  PageState state(int64_t page) const { return state_[page]; }
+  const PageState* states() const { return state_.data(); }
+  int64_t page_at(int64_t k) const {  // k-th page of the free list
+    int64_t pos = head_ + k;
+    return ring_[pos >= num_pages_ ? pos - num_pages_ : pos];
+  }
+  // The free list from its head, in hand-out order, as a loop reads it with locals.
+  struct HeadPages {
+    const int64_t* ring;
+    int64_t at, num_pages;
+    int64_t next() {
+      const int64_t page = ring[at];
+      if (++at == num_pages) at = 0;
+      return page;
+    }
+  };
+  HeadPages head_pages() const { return HeadPages{ring_.data(), head_, num_pages_}; }
+  // The end of the run of slots in page `page` that starts at indices[i].
+  int64_t run_end(Span indices, int64_t i, int64_t page) const;
+  // Checks that each request's last_loc ends its prefix in a page of this pool.
+  void check_last_loc(const BatchLengths& batch, const LastLoc& last_loc) const;
+  // Writes the slots of the batch, new pages taken from the head of the free list in
+  // batch order; prefix_end(j) is where request j's prefix ends. Takes nothing.
+  template <class PrefixEnd>
+  void write_slots(const BatchLengths& batch, int64_t num_tokens, const PrefixEnd& prefix_end, int64_t* out) const;
+  void take(int64_t n);  // the first n free pages become held
+  // Marks page as claimed by this call; repeat_ok: it may already be (free() frees
+  // pages, so several slots of one page are one free).
+  void claim(const char* arg, int64_t page, bool repeat_ok) {
+    PageState& s = state_[page];
+    if (s == PageState::kHeld) {
+      s = PageState::kClaimed;
+      claimed_.push_back(page);
+    } else if (!repeats_a_claim(s, repeat_ok)) {
+      refuse_claim(arg, page);
+    }
+  }
+  // A loop's claims of pages of their own (a repeat is a double free) on this pool,
+  // with the pool's arrays in locals: a page-state store (a byte) may alias any member,
+  // which the loop would otherwise read again at every claim.
+  class Claimer {
+   public:
+    Claimer(PagePool& pool, int64_t n) : pool_(pool), state_(pool.state_.data()), geometry_(pool.geometry_),
+                                         num_pages_(pool.num_pages_) {
+      pool.claimed_.reserve(pool.claimed_.size() + static_cast<size_t>(n));
+    }
+    // Claims the page of slot; false, with nothing changed, where claim(arg,
+    // page_of(arg, slot), false) would throw.
+    bool claim_slot(int64_t slot) {
+      const int64_t page = held_page(slot, geometry_, num_pages_, state_);
+      if (page < 0) return false;
+      state_[page] = PageState::kClaimed;
+      pool_.claimed_.push_back(page);
+      return true;
+    }
+    // Throws what claim_slot(slot) found.
+    [[noreturn]] void refuse(const char* arg, int64_t slot) const {
+      if (!slot_in_pool(slot, geometry_, num_pages_)) pool_.refuse_slot(arg, slot);
+      pool_.refuse_claim(arg, geometry_.page(slot));
+    }
+
+   private:
+    PagePool& pool_;
+    PageState* const state_;
+    const PageGeometry geometry_;
+    const int64_t num_pages_;
+  };
+  // claim(arg, page_of(arg, slot), false) for the n slots slot_at(0 .. n-1).
+  template <class SlotAt>
+  void claim_pages_of(const char* arg, int64_t n, const SlotAt& slot_at) {
+    Claimer claimer(*this, n);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t slot = slot_at(k);
+      if (!claimer.claim_slot(slot)) claimer.refuse(arg, slot);
+    }
+  }
+  // Places pages at a destination in the order given, their states and the list
+  // together: the free list (appended, or prepended as one block of the n pages), the
+  // staging list or a free group's queue. Nothing is visible until commit(); without it
+  // every placed page is held again when the Releaser goes. The pool's arrays are in
+  // locals, as in Claimer.
+  class Releaser {
+   public:
+    Releaser(PagePool& pool, int64_t n, Destination dest);  // n: the pages to be placed
+    Releaser(const Releaser&) = delete;
+    Releaser& operator=(const Releaser&) = delete;
+    ~Releaser() {
+      if (!committed_) undo();
+    }
+    // Whether the n pages can be placed at all: the free list takes at most as many
+    // pages as are not in it (more than that cannot all be held).
+    bool fits() const { return fits_; }
+    // Places the page of slot, which must be held: the claim and the release of a free
+    // in one step. False, with nothing changed, where a claim of it (a repeat being a
+    // double free) would throw.
+    bool release_slot(int64_t slot) {
+      const int64_t page = held_page(slot, geometry_, num_pages_, state_);
+      if (page < 0) return false;
+      place(page);
+      return true;
+    }
+    // Places a page this call claimed.
+    void place(int64_t page) {
+      state_[page] = placed_state_;
+      *next_ = page;
+      if (++next_ == ring_end_) next_ = ring_;
+      ++count_;
+    }
+    void commit();
+
+   private:
+    void undo();
+    std::vector<int64_t>* list();  // the list dest appends to; nullptr for the free list
+    PagePool& pool_;
+    const Destination dest_;
+    PageState* const state_;
+    const PageGeometry geometry_;
+    const int64_t num_pages_;
+    PageState placed_state_ = PageState::kFree;
+    int64_t* ring_ = nullptr;      // the storage placed into: the ring, or the list's new tail
+    int64_t* ring_end_ = nullptr;  // where the ring wraps (nullptr for a list)
+    int64_t* first_ = nullptr;     // where the first page goes
+    int64_t* next_ = nullptr;
+    int64_t count_ = 0;
+    size_t list_size_ = 0;  // the list's size before
+    bool fits_ = true, committed_ = false;
+  };
+  std::vector<int64_t>& claimed() { return claimed_; }
+  // Puts back the claims after the first `mark` of the call's claims.
+  void undo_claims_after(size_t mark);
+
+  // The snapshot's contents.
+  std::vector<int64_t> free_list() const;  // in hand-out order
+  const std::vector<int64_t>& staged_list() const { return staged_; }
+  const std::vector<int64_t>& group_index_pages() const { return group_index_pages_; }
+  const std::vector<int64_t>& group_page_ids() const { return group_page_ids_; }
+  std::string debug_string() const;
+  // Throws std::logic_error naming the first broken invariant.
+  void check_invariants() const;
+  bool operator==(const PagePool& other) const;
+
+ private:
+  [[noreturn]] void refuse_slot(const char* arg, int64_t index) const;
+  [[noreturn]] void refuse_claim(const char* arg, int64_t page) const;
+  // Calls visit(first, last) on the free list's first n entries as at most two
+  // contiguous ranges of the ring.
+  template <class Visit>
+  void head_ranges(int64_t n, const Visit& visit) const {
+    const int64_t first = n < num_pages_ - head_ ? n : num_pages_ - head_;
+    visit(ring_.data() + head_, ring_.data() + head_ + first);
+    if (first < n) visit(ring_.data(), ring_.data() + (n - first));
+  }
+  void reset_state();
+  // Pages to dest, in the order given or sorted.
+  void place_released(std::vector<int64_t>& pages, Destination dest, ReleaseOrder order);
+  std::vector<int64_t> queued_by_index() const;
+
+  int64_t size_, num_pages_;
+  int64_t capacity_;
+  PageGeometry geometry_;
+  bool need_sort_;
+  // The free list is ring_[head_ .. head_ + free_count_) modulo num_pages_: the page
+  // pool prepends and the token pool appends, and both fit because a page is in at
+  // most one place.
+  std::vector<int64_t> ring_;
+  int64_t head_ = 0, free_count_ = 0;
+  std::vector<int64_t> staged_;
+  std::vector<PageState> state_;  // indexed by page id; page 0 is the padding page
+  bool group_open_ = false;
+  std::vector<int64_t> group_index_pages_;  // pages of free() calls held by the group
+  std::vector<int64_t> group_page_ids_;     // pages of free_page_ids calls held by the group
+  std::vector<int64_t> claimed_;            // the current call's claims, in first-seen order
+};
+
+template <class PrefixEnd>
+void PagePool::write_slots(const BatchLengths& batch, int64_t num_tokens, const PrefixEnd& prefix_end,
+                           int64_t* out) const {
+  if (token_mode()) {  // extend_slot at page size 1: every token takes the next free page, in order
+    head_ranges(num_tokens, [&out](const int64_t* first, const int64_t* last) { out = std::copy(first, last, out); });
+    return;
+  }
+  // Locals, and out marked as aliasing nothing: else every store into it makes the
+  // loop read the pool's members and the lengths again.
+  int64_t* __restrict dst = out;
+  const int64_t* const ring = ring_.data();
+  const int64_t num_pages = num_pages_;
+  int64_t first = head_;  // the ring position of the request's first new page
+  for (int64_t j = 0; j < batch.size(); ++j) {
+    const int64_t prefix = batch.prefix(j), seq = batch.seq_lens[j];
+    const int64_t last = prefix_end(j);
+    const auto page_at_offset = [ring, num_pages, first](int64_t k) {
+      const int64_t at = first + k;
+      return ring[at >= num_pages ? at - num_pages : at];
+    };
+    for (int64_t t = 0; t < seq - prefix; ++t) *dst++ = extend_slot(t, prefix, seq, last, geometry_, page_at_offset);
+    first += new_page_count(prefix, seq, geometry_);
+  }
+}
+
+// A hybrid allocator's whole state: what backup_state() returns and restore_state() takes.
+struct AllocatorState {
+  PagePool full, swa;
+  std::vector<int64_t> mapping;
+  bool operator==(const AllocatorState& o) const { return full == o.full && swa == o.swa && mapping == o.mapping; }
+};
+
+}  // namespace swa
