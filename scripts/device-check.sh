@@ -4,7 +4,8 @@
 # torch and runs, each phase under its own time limit and the whole under
 # DEVICE_CHECK_SECONDS (default 420, about 7 minutes):
 #   env        versions (nvcc, torch, GPU, compute-sanitizer)         -> env.txt
-#   build      setup.py build_ext --inplace; cuobjdump must list sm_90 -> build.log (+ env.txt)
+#   build      setup.py build_ext --inplace (and the bench's floor, in bench/); cuobjdump must
+#              list sm_90                                            -> build.log (+ env.txt)
 #   smoke      one golden trace on cuda, CUDA_LAUNCH_BLOCKING=1, 60 s  -> smoke.log
 #   tests      the cuda parameters of the golden, cuda, bad-input, misuse and SGLang batch
 #              reader tests                                          -> tests.log
@@ -120,10 +121,14 @@ fi
 PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider "${TIMEOUT_OPT[@]}")
 
 # ------------------------------------------------------------------ build
+# The bench's native-call floor (bench/floor.cpp) is its own module, built in bench/.
+build_floor=(bash -c 'cd bench && "$0" setup.py -q build_ext --inplace' "$PY")
 if [[ "$DRY" == 1 ]]; then
   phase build 240 build.log "$PY" setup.py build_ext --inplace
+  phase floor 60 build.log "${build_floor[@]}"
 else
   phase build 240 build.log "$PY" setup.py build_ext --inplace \
+    && phase floor 60 build.log "${build_floor[@]}" \
     && phase import 30 build.log "$PY" -c "import torch, swa_ext
 assert swa_ext.built_with_cuda(), 'no CUDA kernels'
 assert torch.cuda.is_available(), 'torch sees no GPU: the CUDA tests would only skip'"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["env", "build", "smoke", "tests", "layer", "latency", "bench", "sanitizer"]
+PHASES = ["env", "build", "floor", "smoke", "tests", "layer", "latency", "bench", "sanitizer"]
 GOLDEN_TRACES = len(list((ROOT / "tests" / "golden").glob("*.jsonl.gz")))
 
 

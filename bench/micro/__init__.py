@@ -7,7 +7,7 @@ Four modules, each importing only those before it: ``cases`` (the calls measured
 
 from .cases import DEFAULT_BATCH_SIZES, DEFAULT_PAGE_SIZES, OPS, SMOKE_ITERS, SMOKE_MAX_BATCH, _Case
 from .cli import main
-from .measure import _measure, _progress, _row, run
+from .measure import _measure, _progress, _row, floor, run
 from .report import GOALS, goals, plot, report, to_markdown
 
 __all__ = ["OPS", "DEFAULT_BATCH_SIZES", "DEFAULT_PAGE_SIZES", "GOALS", "run", "goals", "to_markdown", "plot",

@@ -47,7 +47,7 @@ NOTES = {
 }
 
 
-FLOOR_IMPL = "swa_ext._C.bench_floor"
+FLOOR_IMPL = "swa_ext_bench._floor.floor"
 EVICT_IMPL = "swa_ext.decode.evict_out_of_window"
 SGLANG_IMPL = "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator"
 

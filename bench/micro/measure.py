@@ -13,7 +13,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 import swa_ext
-from swa_ext import _C
+
+from .._floor import floor
 
 from .. import sglang_ref
 from .cases import (DEFAULT_BATCH_SIZES, DEFAULT_PAGE_SIZES, DEFAULT_SECONDS_PER_CASE, EVICT_IMPL, FLOOR_IMPL, IMPLS,
@@ -167,7 +168,7 @@ def _run(ops, batch_sizes, page_sizes, devices, iters, warmup, seconds_per_case,
             for B in batch_sizes:
                 case = _Case(B, ps, device, with_sglang)
                 for op in ops:
-                    times, n, mismatches = _measure(case, case.op(op, _C.bench_floor), iters, seconds_per_case,
+                    times, n, mismatches = _measure(case, case.op(op, floor), iters, seconds_per_case,
                                                     warmup, flush)
                     row = _row(device, op, B, ps, n, times, mismatches, flush)
                     rows.append(row)

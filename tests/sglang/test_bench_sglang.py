@@ -93,7 +93,7 @@ def test_no_sglang_leaves_it_out(tmp_path, capsys):
 @pytest.mark.parametrize("op", micro.OPS)
 def test_sglang_returns_what_native_returns_on_the_same_call(op, page_size):
     case = micro._Case(micro.SMOKE_MAX_BATCH, page_size, "cpu", with_sglang=True)
-    calls = case.op(op, swa_ext._C.bench_floor)
+    calls = case.op(op, micro.floor)
     if _no_sglang_call(op, page_size):
         assert "sglang" not in calls
         return
@@ -107,7 +107,7 @@ def test_sglang_returns_what_native_returns_on_the_same_call(op, page_size):
 
 def test_a_difference_from_native_is_reported_on_the_row():
     case = micro._Case(micro.SMOKE_MAX_BATCH, 16, "cpu", with_sglang=True)
-    calls = case.op("alloc_extend", swa_ext._C.bench_floor)
+    calls = case.op("alloc_extend", micro.floor)
     # SGLang's free list reversed after every restore: the same number of pages free,
     # handed out in another order.
     pool = case.allocs["sglang"].full_attn_allocator
