@@ -4,7 +4,7 @@ SGLang's ``ScheduleBatch.maybe_evict_swa`` walks the running batch in Python and
 each request due, frees the SWA pages that slid out of its window through
 ``free_swa_out_of_window_slots`` (one ``free_swa_segment`` call a request, in one free
 group). With swa_ext's allocator serving, ``maybe_evict_swa`` below replaces the decode
-branch of that loop with one native call (``_C.SGLangWindowEviction``, made once): it
+branch of that loop with one native call (``_C.sglang.WindowEviction``, made once): it
 reads each request's lengths from SGLang's own objects through the CPython API (no
 Python frame a request), applies SGLang's due test and
 ``swa_dead_lo``, frees every due request's pages through the allocator's
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 _SWA = ComponentType.SWA
 _sglang_maybe_evict_swa = schedule_batch.ScheduleBatch.maybe_evict_swa
-_eviction = _C.SGLangWindowEviction(schedule_batch.Req, schedule_batch.ReqKvInfo, _SWA)
+_eviction = _C.sglang.WindowEviction(schedule_batch.Req, schedule_batch.ReqKvInfo, _SWA)
 _warned = set()
 # Batches evicted by the native call and by SGLang's loop, in this process (tests, benchmark).
 counts = {"native": 0, "sglang": 0}
@@ -57,6 +57,31 @@ def _warn_once(reason):
         logger.warning("swa_ext: SGLang's own maybe_evict_swa serves: %s", reason)
 
 
+class _Setting:
+    """An SGLang setting, ``envs.<NAME>.get()`` as ``convert`` takes it, read again only
+    when its variable (or the variable's deprecated name) changes: SGLang's setters write
+    ``os.environ``, which writes the process environment that ``_C.sglang.getenv`` reads
+    without the KeyError ``os.getenv`` raises and catches for an unset variable."""
+
+    def __init__(self, field, convert=lambda value: value):
+        self.field, self.convert = field, convert
+        self.names = (field.name, getattr(field, "deprecated_name", field.name))
+        self.seen, self.value = None, None
+
+    def get(self):
+        getenv = _C.sglang.getenv
+        seen = (getenv(self.names[0]), getenv(self.names[1]), self.field._set_to_none)
+        if seen != self.seen:
+            self.value = self.convert(self.field.get())
+            self.seen = (getenv(self.names[0]), getenv(self.names[1]), self.field._set_to_none)  # get() may set one
+        return self.value
+
+
+_interval = _Setting(envs.SGLANG_SWA_EVICTION_INTERVAL, lambda interval: max(1, interval))
+_release_prefill_swa = _Setting(envs.SGLANG_OPT_RELEASE_PREFILL_SWA)
+_amd_mega_moe = _Setting(envs.SGLANG_AMD_USE_FLYDSL_MEGA_MOE)
+
+
 def _retain_floor_in_use(tree_cache):
     """Whether the cache may hold a request's SWA below its window (retain_floor)."""
     if type(tree_cache).swa_retain_floor is BasePrefixCache.swa_retain_floor:
@@ -65,8 +90,9 @@ def _retain_floor_in_use(tree_cache):
     return not (hasattr(tree_cache, "is_mamba_enabled") and not tree_cache.is_mamba_enabled)
 
 
-def _reason_not_native(batch, alloc, tree_cache):
-    """Why SGLang's loop must evict this decode batch, or None."""
+def _reason_not_native_ever(alloc, tree_cache):
+    """Why SGLang's loop must evict every decode batch of this tree cache and allocator,
+    or None."""
     if not isinstance(alloc, _C.HybridAllocator):
         return f"the allocator is SGLang's {type(alloc).__name__}"
     if tree_cache.page_size != alloc.page_size:
@@ -77,22 +103,49 @@ def _reason_not_native(batch, alloc, tree_cache):
         return f"{type(tree_cache).__name__} has its own evict_sliding_windows"
     if _retain_floor_in_use(tree_cache):
         return f"{type(tree_cache).__name__} keeps SWA behind a checkpoint (swa_retain_floor)"
-    if schedule_batch._is_hip and envs.SGLANG_AMD_USE_FLYDSL_MEGA_MOE.get():
+    return None
+
+
+class _Fixed:
+    """What no step changes of a scheduler's tree cache and allocator (their classes,
+    page sizes, windows, prefix sharing), checked on their first step. It holds the two,
+    so that another pair cannot take their identities."""
+
+    __slots__ = ("tree_cache", "alloc", "swa", "reason", "window", "sharing")
+
+    def __init__(self, tree_cache, alloc):
+        self.tree_cache, self.alloc = tree_cache, alloc
+        self.swa = tree_cache.supports_swa()
+        self.reason = self.window = self.sharing = None
+        if self.swa:
+            self.reason = _reason_not_native_ever(alloc, tree_cache)
+            self.window, self.sharing = tree_cache.swa_retain_window, tree_cache.supports_prefix_sharing()
+
+
+_fixed = None  # the last scheduler's pair (one a process)
+
+
+def _reason_not_native_now(tree_cache):
+    """Why SGLang's loop must evict this step's decode batch, by SGLang's settings, or None."""
+    if schedule_batch._is_hip and _amd_mega_moe.get():
         return "SGLANG_AMD_USE_FLYDSL_MEGA_MOE evicts on a forward-interval cadence"
-    if envs.SGLANG_OPT_RELEASE_PREFILL_SWA.get() and hasattr(tree_cache, "release_swa_prefix_lock"):
+    if _release_prefill_swa.get() and hasattr(tree_cache, "release_swa_prefix_lock"):
         return "SGLANG_OPT_RELEASE_PREFILL_SWA releases prefix locks between the requests' frees"
     return None
 
 
 def maybe_evict_swa(self):
     """``ScheduleBatch.maybe_evict_swa`` with the decode branch as one native call."""
-    tree_cache = self.tree_cache
-    if not tree_cache.supports_swa() or not self.forward_mode.is_decode():
+    global _fixed
+    tree_cache, alloc = self.tree_cache, self.token_to_kv_pool_allocator
+    fixed = _fixed
+    if fixed is None or fixed.tree_cache is not tree_cache or fixed.alloc is not alloc:
+        fixed = _fixed = _Fixed(tree_cache, alloc)
+    if not fixed.swa or not self.forward_mode.is_decode():
         return _sglang_maybe_evict_swa(self)
-    alloc = self.token_to_kv_pool_allocator
-    reason = _reason_not_native(self, alloc, tree_cache)
+    reason = fixed.reason or _reason_not_native_now(tree_cache)
     if reason is None:
-        reason = evict_decode_batch(self, alloc, tree_cache)
+        reason = evict_decode_batch(self, alloc, fixed)
         if reason is None:
             counts["native"] += 1
             return
@@ -101,27 +154,26 @@ def maybe_evict_swa(self):
     _sglang_maybe_evict_swa(self)
 
 
-def evict_decode_batch(batch, alloc, tree_cache):
+def evict_decode_batch(batch, alloc, fixed):
     """The decode branch of SGLang's ``maybe_evict_swa`` for the whole batch in one native
     call; returns None, or why the batch must take SGLang's loop (nothing changed then)."""
     reqs = batch.reqs
     if not reqs:
         return None
-    window = tree_cache.swa_retain_window
-    interval = max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
     req_to_token = batch.req_to_token_pool.req_to_token
-    sharing = tree_cache.supports_prefix_sharing()
     shadow = getattr(alloc, "_shadow", None)
     if shadow is None:
-        return _eviction.evict(alloc, reqs, req_to_token, window, interval, sharing)
+        return _eviction.evict(alloc, reqs, req_to_token, fixed.window, _interval.get(), fixed.sharing)
     # Lockstep: SGLang's own loop runs on copies of the requests' KV states against the
     # shadow allocator, and each due request's freed range and evicted length must match.
+    window, interval = fixed.window, _interval.get()
     before = [_kv_copy(req.kv) for req in reqs]
     alloc.free_group_begin()
     got = []
-    reason = _eviction.evict(alloc, reqs, req_to_token, window, interval, sharing, free_group=False, record=got)
+    reason = _eviction.evict(alloc, reqs, req_to_token, window, interval, fixed.sharing, free_group=False,
+                             record=got)
     if reason is None:
-        want = _sglang_frees(batch, tree_cache, shadow, before, window, interval)
+        want = _sglang_frees(batch, fixed.tree_cache, shadow, before, window, interval)
         alloc._lockstep.counts["maybe_evict_swa"] = alloc._lockstep.counts.get("maybe_evict_swa", 0) + 1
         _compare(reqs, got, want)  # a difference raises here, naming the request, and the scheduler stops
     alloc.free_group_end()

@@ -1,4 +1,4 @@
-#include "sglang_requests.h"
+#include "batch_reader.h"
 
 #include <structmember.h>
 
@@ -176,19 +176,31 @@ void read(const RequestClasses& classes, PyObject* reqs, int64_t window, int64_t
     const int64_t floor = length(kv_field(classes, kv, RequestClasses::kEvictFloor, i).ptr(), 0, i,
                                  kKvFieldLabels[RequestClasses::kEvictFloor]);
     const int64_t dead_lo = swa::swa_dead_lo(protected_len, floor, page);
-    due.index.push_back(i);
-    due.row.push_back(length(row.ptr(), 0, i, kKvFieldLabels[RequestClasses::kRow]));
-    due.pre_len.push_back(pre_len);
-    due.evicted.push_back(evicted);
-    due.has_entry.push_back(entry != nullptr);
-    due.start.push_back(evicted > dead_lo ? evicted : dead_lo);
-    due.evicted_lengths.push_back(std::move(lengths));
+    due.push_back(DueRequest{i, length(row.ptr(), 0, i, kKvFieldLabels[RequestClasses::kRow]), pre_len, evicted,
+                             evicted > dead_lo ? evicted : dead_lo, entry != nullptr, std::move(lengths)});
   }
 }
 
 // What a class's attribute is now (a borrowed reference, nullptr when it has none).
 PyObject* class_attribute(const py::object& owner, const py::object& name) {
   return _PyType_Lookup(reinterpret_cast<PyTypeObject*>(owner.ptr()), name.ptr());
+}
+
+// An attribute name, interned: a lookup of it then goes through Python's method cache,
+// which gives the class a version tag.
+py::str interned(const char* name) {
+  PyObject* str = PyUnicode_InternFromString(name);
+  if (str == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(str);
+}
+
+// A class's version tag, 0 when it has none valid (changed since, or Python ran out of tags).
+unsigned int version_tag(const py::object& cls) {
+  auto* type = reinterpret_cast<PyTypeObject*>(cls.ptr());
+#if PY_VERSION_HEX < 0x030C0000
+  if (!PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) return 0;
+#endif
+  return type->tp_version_tag;
 }
 
 }  // namespace
@@ -203,7 +215,7 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
       {&req_type, "seqlen"}, {&kv_type, "get_evicted_seqlen"}, {&kv_type, "set_evicted_seqlen"},
       {&kv_type, "holds_kv"}, {&kv_type, "swa_dead_lo"}};
   for (const auto& [owner, method] : read_in_place) {
-    py::str name(method);
+    py::str name = interned(method);
     PyObject* found = class_attribute(*owner, name);
     if (found == nullptr)
       throw py::type_error(std::string(reinterpret_cast<PyTypeObject*>(owner->ptr())->tp_name) + " has no " + method +
@@ -212,7 +224,7 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
   }
   // The KV state's fields kept in slots: read there while the class's descriptors stay.
   for (int f = 0; f < kNumKvFields; ++f) {
-    py::str name(kKvFields[f]);
+    py::str name = interned(kKvFields[f]);
     PyObject* found = class_attribute(kv_type, name);
     kv_slot_offsets[f] = -1;
     if (found == nullptr || !Py_IS_TYPE(found, &PyMemberDescr_Type)) continue;
@@ -223,7 +235,7 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
   }
   // The Req fields read from the instance dict: the class must define none of them.
   for (const char* plain : kReqFields) {
-    py::str name(plain);
+    py::str name = interned(plain);
     if (class_attribute(req_type, name) != nullptr)
       throw py::type_error(std::string(reinterpret_cast<PyTypeObject*>(req_type.ptr())->tp_name) + "." + plain +
                            " is defined by the class: not SGLang's Req");
@@ -231,22 +243,21 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
   }
 }
 
+bool RequestClasses::tags_unchanged() const {
+  return checked_tags_[0] != 0 && checked_tags_[0] == version_tag(req_type) && checked_tags_[1] != 0 &&
+         checked_tags_[1] == version_tag(kv_type);
+}
+
 std::string RequestClasses::changed_attribute() const {
+  if (tags_unchanged()) return std::string();
   for (const Method& m : methods)
     if (class_attribute(m.owner, m.name) != (m.found.is_none() ? nullptr : m.found.ptr()))
       return std::string(reinterpret_cast<PyTypeObject*>(m.owner.ptr())->tp_name) + "." +
              py::cast<std::string>(m.name) + " changed since the reader was made (SGLang's loop reads it)";
+  // The lookups gave both classes a valid tag again (unless Python ran out of them).
+  checked_tags_[0] = version_tag(req_type);
+  checked_tags_[1] = version_tag(kv_type);
   return std::string();
-}
-
-void DueRequests::clear() {
-  index.clear();
-  row.clear();
-  pre_len.clear();
-  evicted.clear();
-  has_entry.clear();
-  start.clear();
-  evicted_lengths.clear();
 }
 
 std::string read_due_requests(const RequestClasses& classes, py::handle reqs, int64_t window, int64_t interval,
@@ -258,6 +269,7 @@ std::string read_due_requests(const RequestClasses& classes, py::handle reqs, in
   const py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(reqs.ptr(), "reqs: expected a sequence"));
   if (!seq) throw py::error_already_set();
   try {
+    due.reserve(static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr())));
     read(classes, seq.ptr(), window, interval, page, due);
   } catch (const Refusal& refusal) {
     due.clear();
@@ -267,15 +279,15 @@ std::string read_due_requests(const RequestClasses& classes, py::handle reqs, in
 }
 
 void write_evicted_lengths(const RequestClasses& classes, const DueRequests& due, const int64_t* new_evicted) {
-  for (int64_t j = 0; j < due.size(); ++j) {
-    if (new_evicted[j] == due.evicted[j] && due.has_entry[j]) continue;
+  for (size_t j = 0; j < due.size(); ++j) {
+    if (new_evicted[j] == due[j].evicted && due[j].has_entry) continue;
     const py::object value = py::reinterpret_steal<py::object>(PyLong_FromLongLong(new_evicted[j]));
     if (!value) throw py::error_already_set();
 #if PY_VERSION_HEX < 0x030D0000
-    const int failed = _PyDict_SetItem_KnownHash(due.evicted_lengths[j].ptr(), classes.swa_component.ptr(),
+    const int failed = _PyDict_SetItem_KnownHash(due[j].evicted_lengths.ptr(), classes.swa_component.ptr(),
                                                  value.ptr(), classes.swa_hash);
 #else
-    const int failed = PyDict_SetItem(due.evicted_lengths[j].ptr(), classes.swa_component.ptr(), value.ptr());
+    const int failed = PyDict_SetItem(due[j].evicted_lengths.ptr(), classes.swa_component.ptr(), value.ptr());
 #endif
     if (failed != 0) throw py::error_already_set();
   }
