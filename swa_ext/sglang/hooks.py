@@ -65,15 +65,16 @@ class _Setting:
 
     def __init__(self, field, convert=lambda value: value):
         self.field, self.convert = field, convert
-        self.names = (field.name, getattr(field, "deprecated_name", field.name))
+        self.names = (field.name,) + ((field.deprecated_name,) if hasattr(field, "deprecated_name") else ())
         self.seen, self.value = None, None
 
+    def _variables(self):
+        return (*map(_C.sglang.getenv, self.names), self.field._set_to_none)
+
     def get(self):
-        getenv = _C.sglang.getenv
-        seen = (getenv(self.names[0]), getenv(self.names[1]), self.field._set_to_none)
-        if seen != self.seen:
+        if self._variables() != self.seen:
             self.value = self.convert(self.field.get())
-            self.seen = (getenv(self.names[0]), getenv(self.names[1]), self.field._set_to_none)  # get() may set one
+            self.seen = self._variables()  # get() may have set the variable from its deprecated name
         return self.value
 
 
@@ -108,13 +109,14 @@ def _reason_not_native_ever(alloc, tree_cache):
 
 class _Fixed:
     """What no step changes of a scheduler's tree cache and allocator (their classes,
-    page sizes, windows, prefix sharing), checked on their first step. It holds the two,
-    so that another pair cannot take their identities."""
+    page sizes, windows, prefix sharing, a lockstep allocator's shadow), checked on their
+    first step. It holds the two, so that another pair cannot take their identities."""
 
-    __slots__ = ("tree_cache", "alloc", "swa", "reason", "window", "sharing")
+    __slots__ = ("tree_cache", "alloc", "shadow", "swa", "reason", "window", "sharing")
 
     def __init__(self, tree_cache, alloc):
         self.tree_cache, self.alloc = tree_cache, alloc
+        self.shadow = getattr(alloc, "_shadow", None)
         self.swa = tree_cache.supports_swa()
         self.reason = self.window = self.sharing = None
         if self.swa:
@@ -161,8 +163,7 @@ def evict_decode_batch(batch, alloc, fixed):
     if not reqs:
         return None
     req_to_token = batch.req_to_token_pool.req_to_token
-    shadow = getattr(alloc, "_shadow", None)
-    if shadow is None:
+    if fixed.shadow is None:
         return _eviction.evict(alloc, reqs, req_to_token, fixed.window, _interval.get(), fixed.sharing)
     # Lockstep: SGLang's own loop runs on copies of the requests' KV states against the
     # shadow allocator, and each due request's freed range and evicted length must match.
@@ -173,7 +174,7 @@ def evict_decode_batch(batch, alloc, fixed):
     reason = _eviction.evict(alloc, reqs, req_to_token, window, interval, fixed.sharing, free_group=False,
                              record=got)
     if reason is None:
-        want = _sglang_frees(batch, fixed.tree_cache, shadow, before, window, interval)
+        want = _sglang_frees(batch, fixed.tree_cache, fixed.shadow, before, window, interval)
         alloc._lockstep.counts["maybe_evict_swa"] = alloc._lockstep.counts.get("maybe_evict_swa", 0) + 1
         _compare(reqs, got, want)  # a difference raises here, naming the request, and the scheduler stops
     alloc.free_group_end()
