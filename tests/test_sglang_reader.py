@@ -320,14 +320,3 @@ def test_the_reader_keeps_no_request_alive():
     batch.reqs.clear()
     assert all(r() is None for r in requests)
 
-
-def test_getenv_reads_what_os_environ_set(monkeypatch):
-    name = "SWA_EXT_TEST_SETTING"
-    monkeypatch.delenv(name, raising=False)
-    assert _C.sglang.getenv(name) is None
-    monkeypatch.setenv(name, "16")
-    assert _C.sglang.getenv(name) == "16"
-    monkeypatch.setenv(name, "")
-    assert _C.sglang.getenv(name) == ""
-    monkeypatch.delenv(name)
-    assert _C.sglang.getenv(name) is None

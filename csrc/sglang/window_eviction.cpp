@@ -2,7 +2,7 @@
 // whole batch, as swa_ext/sglang/hooks.py calls it every decode step. The batch is read
 // by batch_reader.cpp; the allocator is called through the core's public API, under the
 // binding layer's guard (../torch/extension_modules.h).
-#include <cstdlib>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,11 +37,6 @@ constexpr char kEvictDoc[] =
     "record: None or a list that gets an (index, start, evicted length after) tuple for each due\n"
     "request.";
 
-constexpr char kGetenvDoc[] =
-    "The value of environment variable `name` as os.getenv finds it, or None: SGLang's settings\n"
-    "are set through os.environ, which writes the process environment read here, and an unset\n"
-    "name costs no KeyError.";
-
 class WindowEviction {
  public:
   WindowEviction(py::object req_type, py::object kv_type, py::object swa_component)
@@ -52,7 +47,7 @@ class WindowEviction {
   py::object evict(const py::object& allocator, const py::object& reqs, const py::object& req_to_token,
                    int64_t window, int64_t interval, bool prefix_sharing, bool free_group,
                    const py::object& record) const {
-    const swa_bindings::HybridRef alloc("allocator", allocator);
+    const swa_bindings::HybridRef alloc = allocator_ref(allocator);
     // A request's lengths may be anything below 2**62 here (the reader refuses the rest),
     // so these are bounded too: then the due test cannot overflow.
     for (const auto& [arg, value] : {std::pair<const char*, int64_t>{"window", window}, {"interval", interval}})
@@ -63,13 +58,16 @@ class WindowEviction {
     swa_sglang::DueRequests due;
     const std::string reason = swa_sglang::read_due_requests(classes_, reqs, window, interval, page, due);
     if (!reason.empty()) return py::str(reason);
-    // A start past the committed length frees nothing: it only moves the evicted length,
-    // and the request takes no part in the plan.
+    // A due request frees pages only once its window's page-aligned start has passed
+    // where its frees start (rules.h's window rule); the others only have their evicted
+    // length moved there, and take no part in the plan or the free group. At interval 1
+    // that is most of them: a request frees a page every page_size steps.
     std::vector<int64_t> new_evicted(due.size()), rows, pre_lens, starts;
     std::vector<size_t> freeing;
     for (size_t j = 0; j < due.size(); ++j) {
       new_evicted[j] = due[j].start;
-      if (due[j].start > due[j].pre_len) continue;
+      if (swa::evicted_after_step(due[j].start, due[j].pre_len, window, page, 1, prefix_sharing) == due[j].start)
+        continue;
       freeing.push_back(j);
       rows.push_back(due[j].row);
       pre_lens.push_back(due[j].pre_len);
@@ -94,6 +92,17 @@ class WindowEviction {
   }
 
  private:
+  // The allocator of a _C.HybridAllocator; the last one resolved is kept with its object
+  // (a scheduler evicts with one allocator), held so that no other object takes its identity.
+  swa_bindings::HybridRef allocator_ref(const py::object& allocator) const {
+    if (!last_allocator_.is(allocator)) {
+      const swa_bindings::HybridRef ref("allocator", allocator);  // raises before anything is kept
+      last_ref_ = ref;
+      last_allocator_ = allocator;
+    }
+    return *last_ref_;
+  }
+
   // The frees, inside the allocator's guard; "" or why the allocator refused them
   // (before any change).
   static std::string free_out_of_window(swa::HybridAllocator& a, const swa::SlotRows& table,
@@ -121,6 +130,8 @@ class WindowEviction {
   }
 
   const swa_sglang::RequestClasses classes_;
+  mutable py::object last_allocator_;
+  mutable std::optional<swa_bindings::HybridRef> last_ref_;
 };
 
 void define(py::module_& m) {
@@ -131,13 +142,6 @@ void define(py::module_& m) {
       .def("evict", &WindowEviction::evict, kEvictDoc, py::arg("allocator"), py::arg("reqs"), py::arg("req_to_token"),
            py::arg("window"), py::arg("interval"), py::arg("prefix_sharing"), py::kw_only(),
            py::arg("free_group") = true, py::arg("record") = py::none());
-  m.def("getenv", [](const std::string& name) -> py::object {
-          const char* value = std::getenv(name.c_str());
-          if (value == nullptr) return py::none();
-          PyObject* decoded = PyUnicode_DecodeFSDefault(value);  // as os.environ decodes it
-          if (decoded == nullptr) throw py::error_already_set();
-          return py::reinterpret_steal<py::object>(decoded);
-        }, kGetenvDoc, py::arg("name"));
 }
 
 [[maybe_unused]] const bool registered = swa_bindings::register_submodule("sglang", &define);

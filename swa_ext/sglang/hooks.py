@@ -11,6 +11,10 @@ Python frame a request), applies SGLang's due test and
 ``evict_out_of_window`` in request order inside the same free group, and writes each
 moved evicted length back as ``set_evicted_seqlen`` writes it.
 
+What no step changes (the allocator's and the tree cache's classes, page sizes and
+windows) is checked once for a scheduler's tree cache and allocator; SGLang's settings
+are read every step, as SGLang's loop reads them, and parsed only when they change.
+
 What the native call does not cover goes to SGLang's own loop, for the whole batch, with
 one warning for each reason: another allocator, auxiliary windows, a tree cache with its
 own ``evict_sliding_windows`` or a ``swa_retain_floor`` in use (mamba checkpoints), the
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import types
 
 from sglang.srt.environ import envs
@@ -57,30 +62,45 @@ def _warn_once(reason):
         logger.warning("swa_ext: SGLang's own maybe_evict_swa serves: %s", reason)
 
 
-class _Setting:
-    """An SGLang setting, ``envs.<NAME>.get()`` as ``convert`` takes it, read again only
-    when its variable (or the variable's deprecated name) changes: SGLang's setters write
-    ``os.environ``, which writes the process environment that ``_C.sglang.getenv`` reads
-    without the KeyError ``os.getenv`` raises and catches for an unset variable."""
+class _Settings:
+    """SGLang's settings a decode step reads (the eviction interval, the prefix-lock
+    release, AMD's MegaMoE cadence), each as ``envs.<NAME>.get()`` reads it, parsed again
+    only when one of their variables changes. ``envs`` reads them through ``os.getenv``,
+    which looks them up in ``os.environ``'s own table (``_data``, keyed as
+    ``os.environ.encodekey`` makes the key) and, for a variable that is not set, raises
+    and catches a KeyError on the way: the table itself is read here."""
 
-    def __init__(self, field, convert=lambda value: value):
-        self.field, self.convert = field, convert
-        self.names = (field.name,) + ((field.deprecated_name,) if hasattr(field, "deprecated_name") else ())
-        self.seen, self.value = None, None
+    def __init__(self):
+        self.fields = (envs.SGLANG_SWA_EVICTION_INTERVAL, envs.SGLANG_OPT_RELEASE_PREFILL_SWA,
+                       envs.SGLANG_AMD_USE_FLYDSL_MEGA_MOE)
+        self.keys = tuple(os.environ.encodekey(name) for field in self.fields
+                          for name in (field.name, getattr(field, "deprecated_name", None)) if name)
+        self.seen = None
+        # The interval; why SGLang's loop must serve under these settings, or None (and
+        # for a tree cache that releases prefix locks).
+        self.interval = self.reason = self.reason_releasing = None
 
     def _variables(self):
-        return (*map(_C.sglang.getenv, self.names), self.field._set_to_none)
+        interval, release, mega_moe = self.fields
+        return (*map(os.environ._data.get, self.keys), interval._set_to_none, release._set_to_none,
+                mega_moe._set_to_none)
 
-    def get(self):
+    def current(self):
+        """Itself, its values as SGLang would read them now."""
         if self._variables() != self.seen:
-            self.value = self.convert(self.field.get())
-            self.seen = self._variables()  # get() may have set the variable from its deprecated name
-        return self.value
+            interval, release, mega_moe = self.fields
+            self.interval = max(1, interval.get())
+            self.reason = self.reason_releasing = None
+            if schedule_batch._is_hip and mega_moe.get():  # read on AMD only, as SGLang reads it
+                self.reason = "SGLANG_AMD_USE_FLYDSL_MEGA_MOE evicts on a forward-interval cadence"
+            if release.get():
+                self.reason_releasing = ("SGLANG_OPT_RELEASE_PREFILL_SWA releases prefix locks between the "
+                                         "requests' frees")
+            self.seen = self._variables()  # a get() may have set a variable from its deprecated name
+        return self
 
 
-_interval = _Setting(envs.SGLANG_SWA_EVICTION_INTERVAL, lambda interval: max(1, interval))
-_release_prefill_swa = _Setting(envs.SGLANG_OPT_RELEASE_PREFILL_SWA)
-_amd_mega_moe = _Setting(envs.SGLANG_AMD_USE_FLYDSL_MEGA_MOE)
+_settings = _Settings()
 
 
 def _retain_floor_in_use(tree_cache):
@@ -112,7 +132,7 @@ class _Fixed:
     page sizes, windows, prefix sharing, a lockstep allocator's shadow), checked on their
     first step. It holds the two, so that another pair cannot take their identities."""
 
-    __slots__ = ("tree_cache", "alloc", "shadow", "swa", "reason", "window", "sharing")
+    __slots__ = ("tree_cache", "alloc", "shadow", "swa", "reason", "window", "sharing", "releases_prefix_locks")
 
     def __init__(self, tree_cache, alloc):
         self.tree_cache, self.alloc = tree_cache, alloc
@@ -122,18 +142,10 @@ class _Fixed:
         if self.swa:
             self.reason = _reason_not_native_ever(alloc, tree_cache)
             self.window, self.sharing = tree_cache.swa_retain_window, tree_cache.supports_prefix_sharing()
+        self.releases_prefix_locks = hasattr(tree_cache, "release_swa_prefix_lock")
 
 
 _fixed = None  # the last scheduler's pair (one a process)
-
-
-def _reason_not_native_now(tree_cache):
-    """Why SGLang's loop must evict this step's decode batch, by SGLang's settings, or None."""
-    if schedule_batch._is_hip and _amd_mega_moe.get():
-        return "SGLANG_AMD_USE_FLYDSL_MEGA_MOE evicts on a forward-interval cadence"
-    if _release_prefill_swa.get() and hasattr(tree_cache, "release_swa_prefix_lock"):
-        return "SGLANG_OPT_RELEASE_PREFILL_SWA releases prefix locks between the requests' frees"
-    return None
 
 
 def maybe_evict_swa(self):
@@ -145,9 +157,15 @@ def maybe_evict_swa(self):
         fixed = _fixed = _Fixed(tree_cache, alloc)
     if not fixed.swa or not self.forward_mode.is_decode():
         return _sglang_maybe_evict_swa(self)
-    reason = fixed.reason or _reason_not_native_now(tree_cache)
+    settings = _settings.current()
+    reason = fixed.reason or settings.reason or (settings.reason_releasing if fixed.releases_prefix_locks else None)
     if reason is None:
-        reason = evict_decode_batch(self, alloc, fixed)
+        reqs = self.reqs
+        if reqs and fixed.shadow is None:
+            reason = _eviction.evict(alloc, reqs, self.req_to_token_pool.req_to_token, fixed.window,
+                                     settings.interval, fixed.sharing)
+        elif reqs:
+            reason = _evict_in_lockstep(self, alloc, fixed, settings.interval)
         if reason is None:
             counts["native"] += 1
             return
@@ -156,23 +174,16 @@ def maybe_evict_swa(self):
     _sglang_maybe_evict_swa(self)
 
 
-def evict_decode_batch(batch, alloc, fixed):
-    """The decode branch of SGLang's ``maybe_evict_swa`` for the whole batch in one native
-    call; returns None, or why the batch must take SGLang's loop (nothing changed then)."""
-    reqs = batch.reqs
-    if not reqs:
-        return None
-    req_to_token = batch.req_to_token_pool.req_to_token
-    if fixed.shadow is None:
-        return _eviction.evict(alloc, reqs, req_to_token, fixed.window, _interval.get(), fixed.sharing)
-    # Lockstep: SGLang's own loop runs on copies of the requests' KV states against the
-    # shadow allocator, and each due request's freed range and evicted length must match.
-    window, interval = fixed.window, _interval.get()
+def _evict_in_lockstep(batch, alloc, fixed, interval):
+    """The native eviction on a lockstep allocator: SGLang's own loop runs on copies of
+    the requests' KV states against the shadow allocator, and each due request's freed
+    range and evicted length must match. None, or why the batch must take SGLang's loop."""
+    reqs, window = batch.reqs, fixed.window
     before = [_kv_copy(req.kv) for req in reqs]
     alloc.free_group_begin()
     got = []
-    reason = _eviction.evict(alloc, reqs, req_to_token, window, interval, fixed.sharing, free_group=False,
-                             record=got)
+    reason = _eviction.evict(alloc, reqs, batch.req_to_token_pool.req_to_token, window, interval, fixed.sharing,
+                             free_group=False, record=got)
     if reason is None:
         want = _sglang_frees(batch, fixed.tree_cache, fixed.shadow, before, window, interval)
         alloc._lockstep.counts["maybe_evict_swa"] = alloc._lockstep.counts.get("maybe_evict_swa", 0) + 1
