@@ -73,8 +73,8 @@ def cuda_header_dirs():
 
 def native_extension():
     sources = sorted(glob.glob(os.path.join("csrc", "core", "*.cpp"))) + [
-        os.path.join("csrc", "torch", "bindings.cpp"), os.path.join("csrc", "torch", "argument_errors.cpp"),
-        os.path.join("csrc", "torch", "sglang_requests.cpp")]
+        os.path.join("csrc", "torch", "bindings.cpp"), os.path.join("csrc", "torch", "argument_errors.cpp")] + sorted(
+        glob.glob(os.path.join("csrc", "sglang", "*.cpp")))
     cxx_flags = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     link_flags = []
     # For the sanitizer jobs of .ci/run (scripts/run-sanitized.sh): 1, AddressSanitizer and

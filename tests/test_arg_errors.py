@@ -74,20 +74,29 @@ def natives():
     """Every function pybind11 defines in swa_ext._C, with the owner a test calls it through."""
     found = []
     owners = {"HybridAllocator": "hybrid", "PagePool": "pool", "AllocatorState": "hybrid_state",
-              "PoolState": "pool_state", "SGLangWindowEviction": "sglang_eviction"}
-    for cls_name, owner in owners.items():
-        for name, attr in vars(getattr(_C, cls_name)).items():
+              "PoolState": "pool_state", "sglang.WindowEviction": "sglang_eviction"}
+    for cls_path, owner in owners.items():
+        for name, attr in vars(native_attribute(cls_path)).items():
             if type(attr).__name__ != "instancemethod" or name.startswith("_pybind11"):
                 continue
             if name == "__init__":  # a constructor's errors use its class's name
-                sig = parse_signature(f"new:{cls_name}", attr)
-                found.append(Native(sig.owner, cls_name, sig.positional, sig.keyword_only, sig.required,
-                                    sig.star_args))
+                sig = parse_signature(f"new:{cls_path}", attr)
+                found.append(Native(sig.owner, cls_path.rpartition(".")[2], sig.positional, sig.keyword_only,
+                                    sig.required, sig.star_args))
             else:
                 found.append(parse_signature(f"{owner}.{name}", attr))
-    for name, attr in vars(_C).items():
-        if type(attr).__name__ == "builtin_function_or_method":
-            found.append(parse_signature(f"module.{name}", attr))
+    for prefix, module in (("module", _C), ("sglang", _C.sglang)):
+        for name, attr in vars(module).items():
+            if type(attr).__name__ == "builtin_function_or_method":
+                found.append(parse_signature(f"{prefix}.{name}", attr))
+    return found
+
+
+def native_attribute(path):
+    """_C's attribute at a dotted path ("sglang.WindowEviction")."""
+    found = _C
+    for name in path.split("."):
+        found = getattr(found, name)
     return found
 
 
@@ -106,13 +115,15 @@ class World:
     def callable_of(self, native: Native):
         owner, _, name = native.owner.partition(".")
         if owner.startswith("new:"):
-            return getattr(_C, owner[4:])
+            return native_attribute(native.owner[4:])
         if owner == "module":
             return getattr(_C, name)
+        if owner == "sglang":
+            return getattr(_C.sglang, name)
         objects = {"hybrid": self.hybrid, "pool": self.pool, "hybrid_state": self.hybrid.backup_state(),
                    "pool_state": self.pool.backup_state(),
-                   "sglang_eviction": _C.SGLangWindowEviction(test_sglang_reader.Request, test_sglang_reader.KvState,
-                                                              test_sglang_reader.SWA)}
+                   "sglang_eviction": _C.sglang.WindowEviction(test_sglang_reader.Request, test_sglang_reader.KvState,
+                                                               test_sglang_reader.SWA)}
         return getattr(objects[owner], name)
 
     def state(self):
@@ -131,7 +142,7 @@ def test_the_table_holds_every_kind_of_native():
     names = {n.owner for n in NATIVES}
     assert {"hybrid.alloc_decode", "hybrid.free_segment", "hybrid.evict_out_of_window", "pool.alloc_extend",
             "pool.free_page_ids", "new:HybridAllocator", "new:PagePool", "module.evict_out_of_window",
-            "module.swa_tail_len", "hybrid_state.__eq__", "new:SGLangWindowEviction",
+            "module.swa_tail_len", "hybrid_state.__eq__", "new:sglang.WindowEviction",
             "sglang_eviction.evict"} <= names
     assert len(NATIVES) >= 50
 

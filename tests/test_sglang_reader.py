@@ -1,4 +1,4 @@
-"""The native reader of SGLang's decode batch (``_C.SGLangWindowEviction``), without SGLang.
+"""The native reader of SGLang's decode batch (``_C.sglang.WindowEviction``), without SGLang.
 
 SGLang's scheduler hook (swa_ext.sglang.hooks) hands it the running batch's requests; it
 reads their lengths through the CPython API and evicts every due request in one native
@@ -125,7 +125,7 @@ class Batch:
 
 
 def reader(kv_class=KvState):
-    return _C.SGLangWindowEviction(Request, kv_class, SWA)
+    return _C.sglang.WindowEviction(Request, kv_class, SWA)
 
 
 LENGTHS = [(30, 5), (9, 1), (60, 12), (17, 3), (100, 1), (12, 40), (8, 1)]
@@ -259,6 +259,8 @@ PLANTS = {"request class": "OtherRequest, not SGLang's Req", "kv class": "OtherK
 def test_what_it_does_not_read_comes_back_as_a_reason_with_nothing_changed(what, monkeypatch):
     batch = Batch(LENGTHS)
     evict = reader()  # made when the hook installs, before anything changes
+    earlier = Batch(LENGTHS)  # a step before: the classes then pass unchanged on their version tags
+    assert evict.evict(earlier.alloc, earlier.reqs, earlier.req_to_token, WINDOW, 1, True) is None
     _plant(what, batch, monkeypatch)
     before = batch.state()
     got = []
@@ -272,15 +274,15 @@ def test_what_it_does_not_read_comes_back_as_a_reason_with_nothing_changed(what,
 
 def test_the_reader_refuses_classes_it_cannot_read():
     with pytest.raises(TypeError, match="req_type: expected a class"):
-        _C.SGLangWindowEviction(Request(1, 1, None), KvState, SWA)
+        _C.sglang.WindowEviction(Request(1, 1, None), KvState, SWA)
     with pytest.raises(TypeError, match="has no seqlen: not SGLang's class"):
-        _C.SGLangWindowEviction(KvState, KvState, SWA)
+        _C.sglang.WindowEviction(KvState, KvState, SWA)
 
     class Shadowing(Request):
         kv = property(lambda self: None)
 
     with pytest.raises(TypeError, match="kv is defined by the class"):
-        _C.SGLangWindowEviction(Shadowing, KvState, SWA)
+        _C.sglang.WindowEviction(Shadowing, KvState, SWA)
 
 
 def test_bad_arguments_are_named_and_change_nothing():
@@ -317,3 +319,4 @@ def test_the_reader_keeps_no_request_alive():
     assert [sys.getrefcount(d) for d in lengths] == counts
     batch.reqs.clear()
     assert all(r() is None for r in requests)
+

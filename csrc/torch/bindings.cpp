@@ -10,12 +10,14 @@
 #include <stdexcept>
 #include <thread>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "../core/allocator.h"
 #include "../core/device_store.h"
 #include "argument_errors.h"
 #include "docstrings.h"
-#include "sglang_requests.h"
+#include "extension_modules.h"
 #ifdef SWA_EXT_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -84,8 +86,8 @@ class UseGuard {
 };
 thread_local const UseGuard* UseGuard::innermost_ = nullptr;
 
-// A 1-D int64 view of an index or length argument. int32 input (req_to_token rows are
-// int32 in SGLang) is widened into a temporary the view keeps alive.
+// A 1-D int64 view of an index or length argument. int32 input (a serving engine's
+// req_to_token rows are int32) is widened into a temporary the view keeps alive.
 struct IntArg {
   at::Tensor tensor;
   swa::Span span() const { return swa::Span(tensor.data_ptr<int64_t>(), tensor.numel()); }
@@ -186,7 +188,7 @@ std::shared_ptr<swa::Executor> device_executor(const c10::Device& device, const 
 #endif
 }
 
-// One page pool as SGLang's PagedTokenToKVPoolAllocator / TokenToKVPoolAllocator sees it.
+// One page pool as a paged (or token) KV allocator of the serving engine sees it.
 // The pools of a hybrid allocator share its stores and its guard.
 struct PoolHandle {
   std::shared_ptr<swa::PoolAllocator> alloc;
@@ -258,6 +260,10 @@ PoolHandle make_pool(int64_t size, int64_t page_size, const c10::Device& device,
                     debug};
 }
 
+}  // namespace
+
+namespace swa_bindings {
+
 struct HybridHandle {
   HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev,
                const std::string& kernels)
@@ -292,6 +298,12 @@ struct HybridHandle {
   bool debug;
   std::unique_ptr<swa::HybridAllocator> alloc;
 };
+
+}  // namespace swa_bindings
+
+namespace {
+
+using swa_bindings::HybridHandle;
 
 // A call that only reads an allocator (it may still wait for the GPU).
 template <class Handle, class Body>
@@ -424,91 +436,37 @@ at::Tensor evict_out_of_window(HybridHandle& h, const py::object& req_to_token, 
   });
 }
 
-// The decode branch of SGLang's ScheduleBatch.maybe_evict_swa for a whole batch
-// (swa_ext/sglang/hooks.py): the due requests read from the batch's own objects, their
-// out-of-window pages freed by one evict_out_of_window, their evicted lengths written
-// back.
-class SGLangWindowEviction {
- public:
-  SGLangWindowEviction(py::object req_type, py::object kv_type, py::object swa_component)
-      : classes_(std::move(req_type), std::move(kv_type), std::move(swa_component)) {}
-
-  // None once the batch is evicted; otherwise why SGLang's loop must evict it, nothing
-  // changed. free_group: open and close the free group around the frees (SGLang's loop
-  // does); false when the caller holds one open (lockstep). record: a list that gets an
-  // (index, start, evicted length after) tuple for each due request. The lists of a call
-  // are its own: a CUDA allocator's wait lets another thread in with the same reader.
-  py::object evict(HybridHandle& h, const py::object& reqs, const py::object& req_to_token, int64_t window,
-                   int64_t interval, bool prefix_sharing, bool free_group, const py::object& record) const {
-    // A request's lengths may be anything below 2**62 here (the reader refuses the rest),
-    // so these are bounded too: then the due test cannot overflow.
-    for (const auto& [arg, value] : {std::pair<const char*, int64_t>{"window", window}, {"interval", interval}})
-      if (swa::check_at_least_one(arg, value) >= swa_sglang::kMaxLength)
-        swa::fail(arg, "must be below 2**62, got ", value);
-    if (!record.is_none() && !PyList_Check(record.ptr())) throw py::type_error("record: expected a list or None");
-    const swa::PageGeometry page(h.alloc->page_size());
-    swa_sglang::DueRequests due;
-    const std::string reason = swa_sglang::read_due_requests(classes_, reqs, window, interval, page, due);
-    if (!reason.empty()) return py::str(reason);
-    // A start past the committed length frees nothing: it only moves the evicted length.
-    std::vector<int64_t> new_evicted = due.start, rows, pre_lens, starts;
-    std::vector<size_t> freeing;
-    for (int64_t j = 0; j < due.size(); ++j) {
-      if (due.start[j] > due.pre_len[j]) continue;
-      freeing.push_back(j);
-      rows.push_back(due.row[j]);
-      pre_lens.push_back(due.pre_len[j]);
-      starts.push_back(due.start[j]);
-    }
-    if (!freeing.empty()) {
-      std::vector<int64_t> freed_to(freeing.size());
-      const std::string refused = guarded(h, [&] {
-        return free_out_of_window(h, req_to_token, rows, pre_lens, starts, window, prefix_sharing, free_group,
-                                  freed_to.data());
-      });
-      if (!refused.empty()) return py::str("the native call refused this batch (" + refused + ")");
-      for (size_t k = 0; k < freeing.size(); ++k) new_evicted[freeing[k]] = freed_to[k];
-    }
-    swa_sglang::write_evicted_lengths(classes_, due, new_evicted.data());
-    if (!record.is_none())
-      for (int64_t j = 0; j < due.size(); ++j)
-        if (PyList_Append(record.ptr(), py::make_tuple(due.index[j], due.start[j], new_evicted[j]).ptr()) != 0)
-          throw py::error_already_set();
-    return py::none();
-  }
-
- private:
-  // The frees, inside the allocator's guard; "" or why the allocator refused them
-  // (before any change).
-  static std::string free_out_of_window(HybridHandle& h, const py::object& req_to_token,
-                                        const std::vector<int64_t>& rows, const std::vector<int64_t>& pre_lens,
-                                        const std::vector<int64_t>& starts, int64_t window, bool prefix_sharing,
-                                        bool free_group, int64_t* freed_to) {
-    const swa::SlotRows table = slot_rows(req_to_token, h.device);
-    if (free_group) h.alloc->free_group_begin();
-    try {
-      h.alloc->evict_out_of_window(table, rows, pre_lens, starts, window, 1, prefix_sharing, freed_to);
-    } catch (const swa::ArgumentError& refused) {
-      if (free_group) h.alloc->free_group_end();  // the group is empty: nothing was freed
-      return refused.what();
-    } catch (...) {
-      if (free_group) end_group_after_failure(h);
-      throw;
-    }
-    if (free_group) h.alloc->free_group_end();
-    return std::string();
-  }
-  static void end_group_after_failure(HybridHandle& h) {
-    try {
-      h.alloc->free_group_end();
-    } catch (...) {  // the first error is the one to report
-    }
-  }
-
-  const swa_sglang::RequestClasses classes_;
-};
+// The submodules registered from their own files (extension_modules.h), in the order
+// registered.
+std::vector<std::pair<const char*, void (*)(py::module_&)>>& submodules() {
+  static std::vector<std::pair<const char*, void (*)(py::module_&)>> registered;
+  return registered;
+}
 
 }  // namespace
+
+namespace swa_bindings {
+
+bool register_submodule(const char* name, void (*define)(py::module_& submodule)) {
+  submodules().emplace_back(name, define);
+  return true;
+}
+
+HybridRef::HybridRef(const char* arg, py::handle obj) {
+  if (!py::isinstance<HybridHandle>(obj))
+    throw py::type_error(std::string(arg) + ": expected a HybridAllocator, got " + type_name(obj));
+  handle_ = &obj.cast<HybridHandle&>();
+}
+
+int64_t HybridRef::page_size() const { return handle_->alloc->page_size(); }
+
+swa::SlotRows HybridRef::slot_rows(py::handle req_to_token) const { return ::slot_rows(req_to_token, handle_->device); }
+
+void HybridRef::guarded(const std::function<void(swa::HybridAllocator&)>& body) const {
+  ::guarded(*handle_, [&] { body(*handle_->alloc); });
+}
+
+}  // namespace swa_bindings
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = swa_docs::module_doc;
@@ -727,18 +685,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              guarded(h, [&] { h.alloc->restore_state(state); });
            }, swa_docs::hybrid_restore_state, py::arg("state"));
 
-  py::class_<SGLangWindowEviction>(m, "SGLangWindowEviction", swa_docs::sglang_window_eviction_class)
-      .def(py::init<py::object, py::object, py::object>(), py::arg("req_type"), py::arg("kv_type"),
-           py::arg("swa_component"))
-      .def("evict", &SGLangWindowEviction::evict, swa_docs::sglang_window_eviction_evict, py::arg("allocator"),
-           py::arg("reqs"), py::arg("req_to_token"), py::arg("window"), py::arg("interval"),
-           py::arg("prefix_sharing"), py::kw_only(), py::arg("free_group") = true, py::arg("record") = py::none());
-
   // swa_ext.decode's per-step call, after the class its first argument is.
   m.def("evict_out_of_window", &evict_out_of_window, swa_docs::evict_out_of_window, py::arg("allocator"),
         py::arg("req_to_token"), py::arg("rows"), py::arg("pre_lens"), py::arg("evicted_seqlens"), py::arg("window"),
         py::kw_only(), py::arg("interval") = 1, py::arg("prefix_sharing") = false);
 
+  for (const auto& [name, define] : submodules()) {
+    py::module_ submodule = m.def_submodule(name);
+    define(submodule);
+    swa_bindings::explain_argument_errors(submodule);
+  }
   // Last: it takes over the calls of every function defined above.
   swa_bindings::explain_argument_errors(m);
 }

@@ -297,23 +297,6 @@ inline constexpr char evict_out_of_window[] =
     SWA_DOC_EVICT "It is the allocator's evict_out_of_window method as a function of the allocator, so that\n"
     "a decode step pays no Python frame for it.";
 
-inline constexpr char sglang_window_eviction_class[] =
-    "The decode branch of SGLang's ScheduleBatch.maybe_evict_swa for a whole batch, read from\n"
-    "SGLang's own objects (swa_ext.sglang.hooks makes one when it installs). req_type, kv_type:\n"
-    "SGLang's Req and ReqKvInfo classes; only requests of exactly these types are read.\n"
-    "swa_component: ComponentType.SWA, the key of a request's SWA evicted length.";
-
-inline constexpr char sglang_window_eviction_evict[] =
-    "Evicts the decode batch `reqs` (a list of Req): each request with decode_batch_idx >= 1, a\n"
-    "req_to_token row and at least `interval` tokens out of its window since its SWA evicted\n"
-    "length frees its SWA pages in [max(evicted, swa_dead_lo), the window's page-aligned start)\n"
-    "through the allocator's evict_out_of_window, in batch order, and gets its evicted length set\n"
-    "as SGLang's free_swa_out_of_window_slots sets it. Returns None, or a str saying why SGLang's\n"
-    "own loop must evict this batch (a request or length it does not read, lengths the allocator\n"
-    "refuses), nothing changed then. free_group: open and close the free group around the frees\n"
-    "(false: the caller holds one open); record: None or a list that gets an (index, start,\n"
-    "evicted length after) tuple for each due request.";
-
 inline constexpr char hybrid_clear[] =
     "Both pools free again, the mapping zeroed (but its -1 sentinel), no free group open.";
 

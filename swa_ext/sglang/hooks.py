@@ -4,12 +4,16 @@ SGLang's ``ScheduleBatch.maybe_evict_swa`` walks the running batch in Python and
 each request due, frees the SWA pages that slid out of its window through
 ``free_swa_out_of_window_slots`` (one ``free_swa_segment`` call a request, in one free
 group). With swa_ext's allocator serving, ``maybe_evict_swa`` below replaces the decode
-branch of that loop with one native call (``_C.SGLangWindowEviction``, made once): it
+branch of that loop with one native call (``_C.sglang.WindowEviction``, made once): it
 reads each request's lengths from SGLang's own objects through the CPython API (no
 Python frame a request), applies SGLang's due test and
 ``swa_dead_lo``, frees every due request's pages through the allocator's
 ``evict_out_of_window`` in request order inside the same free group, and writes each
 moved evicted length back as ``set_evicted_seqlen`` writes it.
+
+What no step changes (the allocator's and the tree cache's classes, page sizes and
+windows) is checked once for a scheduler's tree cache and allocator; SGLang's settings
+are read every step, as SGLang's loop reads them, and parsed only when they change.
 
 What the native call does not cover goes to SGLang's own loop, for the whole batch, with
 one warning for each reason: another allocator, auxiliary windows, a tree cache with its
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import types
 
 from sglang.srt.environ import envs
@@ -44,9 +49,8 @@ from .lockstep import LockstepDivergence
 logger = logging.getLogger(__name__)
 
 _SWA = ComponentType.SWA
-_sglang_maybe_evict_swa = schedule_batch.ScheduleBatch.maybe_evict_swa
-sglang_maybe_evict_swa = _sglang_maybe_evict_swa  # SGLang's own method, public for bench/sglang_step.py
-_eviction = _C.SGLangWindowEviction(schedule_batch.Req, schedule_batch.ReqKvInfo, _SWA)
+sglang_maybe_evict_swa = schedule_batch.ScheduleBatch.maybe_evict_swa  # SGLang's own, kept to restore and to compare
+_eviction = _C.sglang.WindowEviction(schedule_batch.Req, schedule_batch.ReqKvInfo, _SWA)
 _warned = set()
 # Batches evicted by the native call and by SGLang's loop, in this process (tests, benchmark).
 counts = {"native": 0, "sglang": 0}
@@ -58,6 +62,47 @@ def _warn_once(reason):
         logger.warning("swa_ext: SGLang's own maybe_evict_swa serves: %s", reason)
 
 
+class _Settings:
+    """SGLang's settings a decode step reads (the eviction interval, the prefix-lock
+    release, AMD's MegaMoE cadence), each as ``envs.<NAME>.get()`` reads it, parsed again
+    only when one of their variables changes. ``envs`` reads them through ``os.getenv``,
+    which looks them up in ``os.environ``'s own table (``_data``, keyed as
+    ``os.environ.encodekey`` makes the key) and, for a variable that is not set, raises
+    and catches a KeyError on the way: the table itself is read here."""
+
+    def __init__(self):
+        self.fields = (envs.SGLANG_SWA_EVICTION_INTERVAL, envs.SGLANG_OPT_RELEASE_PREFILL_SWA,
+                       envs.SGLANG_AMD_USE_FLYDSL_MEGA_MOE)
+        self.keys = tuple(os.environ.encodekey(name) for field in self.fields
+                          for name in (field.name, getattr(field, "deprecated_name", None)) if name)
+        self.seen = None
+        # The interval; why SGLang's loop must serve under these settings, or None (and
+        # for a tree cache that releases prefix locks).
+        self.interval = self.reason = self.reason_releasing = None
+
+    def _variables(self):
+        interval, release, mega_moe = self.fields
+        return (*map(os.environ._data.get, self.keys), interval._set_to_none, release._set_to_none,
+                mega_moe._set_to_none)
+
+    def current(self):
+        """Itself, its values as SGLang would read them now."""
+        if self._variables() != self.seen:
+            interval, release, mega_moe = self.fields
+            self.interval = max(1, interval.get())
+            self.reason = self.reason_releasing = None
+            if schedule_batch._is_hip and mega_moe.get():  # read on AMD only, as SGLang reads it
+                self.reason = "SGLANG_AMD_USE_FLYDSL_MEGA_MOE evicts on a forward-interval cadence"
+            if release.get():
+                self.reason_releasing = ("SGLANG_OPT_RELEASE_PREFILL_SWA releases prefix locks between the "
+                                         "requests' frees")
+            self.seen = self._variables()  # a get() may have set a variable from its deprecated name
+        return self
+
+
+_settings = _Settings()
+
+
 def _retain_floor_in_use(tree_cache):
     """Whether the cache may hold a request's SWA below its window (retain_floor)."""
     if type(tree_cache).swa_retain_floor is BasePrefixCache.swa_retain_floor:
@@ -66,8 +111,9 @@ def _retain_floor_in_use(tree_cache):
     return not (hasattr(tree_cache, "is_mamba_enabled") and not tree_cache.is_mamba_enabled)
 
 
-def _reason_not_native(batch, alloc, tree_cache):
-    """Why SGLang's loop must evict this decode batch, or None."""
+def _reason_not_native_ever(alloc, tree_cache):
+    """Why SGLang's loop must evict every decode batch of this tree cache and allocator,
+    or None."""
     if not isinstance(alloc, _C.HybridAllocator):
         return f"the allocator is SGLang's {type(alloc).__name__}"
     if tree_cache.page_size != alloc.page_size:
@@ -78,51 +124,68 @@ def _reason_not_native(batch, alloc, tree_cache):
         return f"{type(tree_cache).__name__} has its own evict_sliding_windows"
     if _retain_floor_in_use(tree_cache):
         return f"{type(tree_cache).__name__} keeps SWA behind a checkpoint (swa_retain_floor)"
-    if schedule_batch._is_hip and envs.SGLANG_AMD_USE_FLYDSL_MEGA_MOE.get():
-        return "SGLANG_AMD_USE_FLYDSL_MEGA_MOE evicts on a forward-interval cadence"
-    if envs.SGLANG_OPT_RELEASE_PREFILL_SWA.get() and hasattr(tree_cache, "release_swa_prefix_lock"):
-        return "SGLANG_OPT_RELEASE_PREFILL_SWA releases prefix locks between the requests' frees"
     return None
+
+
+class _Fixed:
+    """What no step changes of a scheduler's tree cache and allocator (their classes,
+    page sizes, windows, prefix sharing, a lockstep allocator's shadow), checked on their
+    first step. It holds the two, so that another pair cannot take their identities."""
+
+    __slots__ = ("tree_cache", "alloc", "shadow", "swa", "reason", "window", "sharing", "releases_prefix_locks")
+
+    def __init__(self, tree_cache, alloc):
+        self.tree_cache, self.alloc = tree_cache, alloc
+        self.shadow = getattr(alloc, "_shadow", None)
+        self.swa = tree_cache.supports_swa()
+        self.reason = self.window = self.sharing = None
+        if self.swa:
+            self.reason = _reason_not_native_ever(alloc, tree_cache)
+            self.window, self.sharing = tree_cache.swa_retain_window, tree_cache.supports_prefix_sharing()
+        self.releases_prefix_locks = hasattr(tree_cache, "release_swa_prefix_lock")
+
+
+_fixed = None  # the last scheduler's pair (one a process)
 
 
 def maybe_evict_swa(self):
     """``ScheduleBatch.maybe_evict_swa`` with the decode branch as one native call."""
-    tree_cache = self.tree_cache
-    if not tree_cache.supports_swa() or not self.forward_mode.is_decode():
-        return _sglang_maybe_evict_swa(self)
-    alloc = self.token_to_kv_pool_allocator
-    reason = _reason_not_native(self, alloc, tree_cache)
+    global _fixed
+    tree_cache, alloc = self.tree_cache, self.token_to_kv_pool_allocator
+    fixed = _fixed
+    if fixed is None or fixed.tree_cache is not tree_cache or fixed.alloc is not alloc:
+        fixed = _fixed = _Fixed(tree_cache, alloc)
+    if not fixed.swa or not self.forward_mode.is_decode():
+        return sglang_maybe_evict_swa(self)
+    settings = _settings.current()
+    reason = fixed.reason or settings.reason or (settings.reason_releasing if fixed.releases_prefix_locks else None)
     if reason is None:
-        reason = evict_decode_batch(self, alloc, tree_cache)
+        reqs = self.reqs
+        if reqs and fixed.shadow is None:
+            reason = _eviction.evict(alloc, reqs, self.req_to_token_pool.req_to_token, fixed.window,
+                                     settings.interval, fixed.sharing)
+        elif reqs:
+            reason = _evict_in_lockstep(self, alloc, fixed, settings.interval)
         if reason is None:
             counts["native"] += 1
             return
     _warn_once(reason)
     counts["sglang"] += 1
-    _sglang_maybe_evict_swa(self)
+    sglang_maybe_evict_swa(self)
 
 
-def evict_decode_batch(batch, alloc, tree_cache):
-    """The decode branch of SGLang's ``maybe_evict_swa`` for the whole batch in one native
-    call; returns None, or why the batch must take SGLang's loop (nothing changed then)."""
-    reqs = batch.reqs
-    if not reqs:
-        return None
-    window = tree_cache.swa_retain_window
-    interval = max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
-    req_to_token = batch.req_to_token_pool.req_to_token
-    sharing = tree_cache.supports_prefix_sharing()
-    shadow = getattr(alloc, "_shadow", None)
-    if shadow is None:
-        return _eviction.evict(alloc, reqs, req_to_token, window, interval, sharing)
-    # Lockstep: SGLang's own loop runs on copies of the requests' KV states against the
-    # shadow allocator, and each due request's freed range and evicted length must match.
+def _evict_in_lockstep(batch, alloc, fixed, interval):
+    """The native eviction on a lockstep allocator: SGLang's own loop runs on copies of
+    the requests' KV states against the shadow allocator, and each due request's freed
+    range and evicted length must match. None, or why the batch must take SGLang's loop."""
+    reqs, window = batch.reqs, fixed.window
     before = [_kv_copy(req.kv) for req in reqs]
     alloc.free_group_begin()
     got = []
-    reason = _eviction.evict(alloc, reqs, req_to_token, window, interval, sharing, free_group=False, record=got)
+    reason = _eviction.evict(alloc, reqs, batch.req_to_token_pool.req_to_token, window, interval, fixed.sharing,
+                             free_group=False, record=got)
     if reason is None:
-        want = _sglang_frees(batch, tree_cache, shadow, before, window, interval)
+        want = _sglang_frees(batch, fixed.tree_cache, fixed.shadow, before, window, interval)
         alloc._lockstep.counts["maybe_evict_swa"] = alloc._lockstep.counts.get("maybe_evict_swa", 0) + 1
         _compare(reqs, got, want)  # a difference raises here, naming the request, and the scheduler stops
     alloc.free_group_end()
@@ -179,7 +242,7 @@ def install():
 
 
 def uninstall():
-    schedule_batch.ScheduleBatch.maybe_evict_swa = _sglang_maybe_evict_swa
+    schedule_batch.ScheduleBatch.maybe_evict_swa = sglang_maybe_evict_swa
 
 
 def installed():

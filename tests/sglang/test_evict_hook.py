@@ -135,6 +135,26 @@ def test_lockstep_names_a_request_only_sglangs_loop_found_due(interval, monkeypa
             s.step()
 
 
+def test_the_hook_reads_sglangs_settings_again_when_they_change(monkeypatch):
+    """The interval and the prefix-lock release are read every step, as SGLang's loop reads
+    them: the hook follows a change between two steps."""
+    monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "8")
+    monkeypatch.delenv("SGLANG_OPT_RELEASE_PREFILL_SWA", raising=False)
+    sglang_step._publish_server_args(16)
+    hook, loop = (sglang_step.Scheduler(s, NUM_REQS, 16, 8, STEPS + 2, True) for s in ("hook", "swa_ext"))
+    before = dict(hooks.counts)
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
+        if step == 3 * STEPS // 4:
+            monkeypatch.setenv("SGLANG_OPT_RELEASE_PREFILL_SWA", "1")
+        hook.step()
+        loop.step()
+        same(pools(hook), pools(loop))
+    assert hooks.counts["native"] - before["native"] == 3 * STEPS // 4
+    assert hooks.counts["sglang"] - before["sglang"] == STEPS - 3 * STEPS // 4
+
+
 def _release_prefix_locks(monkeypatch, setups):
     monkeypatch.setenv("SGLANG_OPT_RELEASE_PREFILL_SWA", "1")
 
@@ -177,11 +197,11 @@ def test_install_puts_the_hook_in_and_uninstall_takes_it_out():
         adapter.install()
         assert ScheduleBatch.maybe_evict_swa is hooks.maybe_evict_swa
         adapter.install(evict_hook=False)
-        assert ScheduleBatch.maybe_evict_swa is hooks._sglang_maybe_evict_swa
+        assert ScheduleBatch.maybe_evict_swa is hooks.sglang_maybe_evict_swa
         adapter.install()
     finally:
         adapter.uninstall()
-    assert ScheduleBatch.maybe_evict_swa is hooks._sglang_maybe_evict_swa
+    assert ScheduleBatch.maybe_evict_swa is hooks.sglang_maybe_evict_swa
 
 
 class _UnifiedAllocator:

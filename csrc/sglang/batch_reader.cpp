@@ -1,4 +1,4 @@
-#include "sglang_requests.h"
+#include "batch_reader.h"
 
 #include <structmember.h>
 
@@ -143,52 +143,107 @@ PyObject* evicted_entry(const RequestClasses& classes, PyObject* lengths, int64_
   return value;
 }
 
-// reqs: a list or tuple (PySequence_Fast's). It is indexed afresh for each request and
-// each request held while it is read: a length's __index__ or __len__ is Python code that
-// could change the list.
+// A request past its first decode step that holds KV, for the pass that tests it due.
+struct HoldingRequest {
+  int64_t index;
+  PyObject* kv;  // held by the request's fields
+  py::object row, lengths;
+  int64_t pre_len;
+};
+
+// Starts loading a dict's tables (prefetching is a hint: it changes nothing).
+void prefetch_tables(PyObject* dict) {
+  const auto* d = reinterpret_cast<PyDictObject*>(dict);
+  __builtin_prefetch(d->ma_keys);
+  if (d->ma_values != nullptr) __builtin_prefetch(d->ma_values);
+}
+
+// reqs: a list or tuple (PySequence_Fast's). The batch is read in passes, each starting
+// the memory reads the next one needs: a request's objects lie scattered, and after the
+// model's forward pass few of them are in the CPU caches, so passes over independent
+// requests let the misses of several overlap where reading request by request waits for
+// each in turn. The first passes run no Python code (exact types, interned names), so the
+// list cannot change under them; from then on each request's fields are held, as a
+// length's __index__ or __len__ is Python code that could change them.
 void read(const RequestClasses& classes, PyObject* reqs, int64_t window, int64_t interval,
           const swa::PageGeometry& page, DueRequests& due) {
   const auto* req_type = reinterpret_cast<PyTypeObject*>(classes.req_type.ptr());
   const auto* kv_type = reinterpret_cast<PyTypeObject*>(classes.kv_type.ptr());
-  for (int64_t i = 0; i < PySequence_Fast_GET_SIZE(reqs); ++i) {
-    const py::object held = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(reqs, i));
-    PyObject* req = held.ptr();
+  const int64_t n = PySequence_Fast_GET_SIZE(reqs);
+  PyObject* const* items = PySequence_Fast_ITEMS(reqs);
+  for (int64_t i = 0; i < n; ++i) {  // the requests, and the words before each (where CPython keeps its dict)
+    __builtin_prefetch(items[i]);
+    __builtin_prefetch(reinterpret_cast<const char*>(items[i]) - 3 * sizeof(PyObject*));
+  }
+  std::vector<py::object> dicts;  // each request's instance dict
+  dicts.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    PyObject* req = items[i];
     if (Py_TYPE(req) != req_type) throw Refusal{"a request of type " + type_name(req) + ", not SGLang's Req"};
-    const py::object req_dict = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(req, nullptr));
-    if (!req_dict) refuse_on_python_error(i, "__dict__");
-    const RequestFields fields = request_fields(req_dict.ptr(), i);
-    // SGLang's test, in its order: decode_batch_idx >= 1, holds KV, due.
-    if (!past_first_decode(required(fields.decode_batch_idx, i, "decode_batch_idx"), i)) continue;
-    PyObject* kv = required(fields.kv, i, "kv");
+    dicts.push_back(py::reinterpret_steal<py::object>(PyObject_GenericGetDict(req, nullptr)));
+    if (!dicts.back()) refuse_on_python_error(i, "__dict__");
+    prefetch_tables(dicts.back().ptr());
+  }
+  std::vector<RequestFields> fields;  // each request's instance-dict fields
+  fields.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    fields.push_back(request_fields(dicts[static_cast<size_t>(i)].ptr(), i));
+    for (const py::object* next : {&fields.back().kv, &fields.back().origin_input_ids, &fields.back().output_ids})
+      if (*next) __builtin_prefetch(next->ptr());
+  }
+  std::vector<HoldingRequest> holding;  // SGLang's test, in its order: decode_batch_idx >= 1, holds KV
+  holding.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const RequestFields& req = fields[static_cast<size_t>(i)];
+    if (!past_first_decode(required(req.decode_batch_idx, i, "decode_batch_idx"), i)) continue;
+    PyObject* kv = required(req.kv, i, "kv");
     if (Py_TYPE(kv) != kv_type)
       throw Refusal{"a request's KV state of type " + type_name(kv) + ", not SGLang's ReqKvInfo"};
-    const py::object row = kv_field(classes, kv, RequestClasses::kRow, i);
+    py::object row = kv_field(classes, kv, RequestClasses::kRow, i);
     if (row.is_none()) continue;  // holds no KV
-    const int64_t pre_len = seqlen(fields, i) - 1;
+    const int64_t pre_len = seqlen(req, i) - 1;
     py::object lengths = kv_field(classes, kv, RequestClasses::kEvictedLengths, i);
     if (!PyDict_CheckExact(lengths.ptr()))
       throw Refusal{"a request's component_evicted_seqlens of type " + type_name(lengths.ptr()) + ", not a dict"};
-    PyObject* entry = evicted_entry(classes, lengths.ptr(), i);
+    holding.push_back(HoldingRequest{i, kv, std::move(row), std::move(lengths), pre_len});
+  }
+  for (const HoldingRequest& req : holding) prefetch_tables(req.lengths.ptr());
+  for (HoldingRequest& req : holding) {  // last pass: due
+    const int64_t i = req.index;
+    PyObject* entry = evicted_entry(classes, req.lengths.ptr(), i);
     const int64_t evicted = entry == nullptr ? 0 : length(entry, 0, i, "SWA evicted length");
-    if (!swa::window_eviction_due(evicted, pre_len, window, interval)) continue;
-    const int64_t protected_len = length(kv_field(classes, kv, RequestClasses::kProtectedLen, i).ptr(), 0, i,
+    if (!swa::window_eviction_due(evicted, req.pre_len, window, interval)) continue;
+    const int64_t protected_len = length(kv_field(classes, req.kv, RequestClasses::kProtectedLen, i).ptr(), 0, i,
                                          kKvFieldLabels[RequestClasses::kProtectedLen]);
-    const int64_t floor = length(kv_field(classes, kv, RequestClasses::kEvictFloor, i).ptr(), 0, i,
+    const int64_t floor = length(kv_field(classes, req.kv, RequestClasses::kEvictFloor, i).ptr(), 0, i,
                                  kKvFieldLabels[RequestClasses::kEvictFloor]);
     const int64_t dead_lo = swa::swa_dead_lo(protected_len, floor, page);
-    due.index.push_back(i);
-    due.row.push_back(length(row.ptr(), 0, i, kKvFieldLabels[RequestClasses::kRow]));
-    due.pre_len.push_back(pre_len);
-    due.evicted.push_back(evicted);
-    due.has_entry.push_back(entry != nullptr);
-    due.start.push_back(evicted > dead_lo ? evicted : dead_lo);
-    due.evicted_lengths.push_back(std::move(lengths));
+    due.push_back(DueRequest{i, length(req.row.ptr(), 0, i, kKvFieldLabels[RequestClasses::kRow]), req.pre_len,
+                             evicted, evicted > dead_lo ? evicted : dead_lo, entry != nullptr,
+                             std::move(req.lengths)});
   }
 }
 
 // What a class's attribute is now (a borrowed reference, nullptr when it has none).
 PyObject* class_attribute(const py::object& owner, const py::object& name) {
   return _PyType_Lookup(reinterpret_cast<PyTypeObject*>(owner.ptr()), name.ptr());
+}
+
+// An attribute name, interned: a lookup of it then goes through Python's method cache,
+// which gives the class a version tag.
+py::str interned(const char* name) {
+  PyObject* str = PyUnicode_InternFromString(name);
+  if (str == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(str);
+}
+
+// A class's version tag, 0 when it has none valid (changed since, or Python ran out of tags).
+unsigned int version_tag(const py::object& cls) {
+  auto* type = reinterpret_cast<PyTypeObject*>(cls.ptr());
+#if PY_VERSION_HEX < 0x030C0000
+  if (!PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) return 0;
+#endif
+  return type->tp_version_tag;
 }
 
 }  // namespace
@@ -203,7 +258,7 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
       {&req_type, "seqlen"}, {&kv_type, "get_evicted_seqlen"}, {&kv_type, "set_evicted_seqlen"},
       {&kv_type, "holds_kv"}, {&kv_type, "swa_dead_lo"}};
   for (const auto& [owner, method] : read_in_place) {
-    py::str name(method);
+    py::str name = interned(method);
     PyObject* found = class_attribute(*owner, name);
     if (found == nullptr)
       throw py::type_error(std::string(reinterpret_cast<PyTypeObject*>(owner->ptr())->tp_name) + " has no " + method +
@@ -212,7 +267,7 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
   }
   // The KV state's fields kept in slots: read there while the class's descriptors stay.
   for (int f = 0; f < kNumKvFields; ++f) {
-    py::str name(kKvFields[f]);
+    py::str name = interned(kKvFields[f]);
     PyObject* found = class_attribute(kv_type, name);
     kv_slot_offsets[f] = -1;
     if (found == nullptr || !Py_IS_TYPE(found, &PyMemberDescr_Type)) continue;
@@ -223,7 +278,7 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
   }
   // The Req fields read from the instance dict: the class must define none of them.
   for (const char* plain : kReqFields) {
-    py::str name(plain);
+    py::str name = interned(plain);
     if (class_attribute(req_type, name) != nullptr)
       throw py::type_error(std::string(reinterpret_cast<PyTypeObject*>(req_type.ptr())->tp_name) + "." + plain +
                            " is defined by the class: not SGLang's Req");
@@ -231,22 +286,21 @@ RequestClasses::RequestClasses(py::object req, py::object kv, py::object swa)
   }
 }
 
+bool RequestClasses::tags_unchanged() const {
+  return checked_tags_[0] != 0 && checked_tags_[0] == version_tag(req_type) && checked_tags_[1] != 0 &&
+         checked_tags_[1] == version_tag(kv_type);
+}
+
 std::string RequestClasses::changed_attribute() const {
+  if (tags_unchanged()) return std::string();
   for (const Method& m : methods)
     if (class_attribute(m.owner, m.name) != (m.found.is_none() ? nullptr : m.found.ptr()))
       return std::string(reinterpret_cast<PyTypeObject*>(m.owner.ptr())->tp_name) + "." +
              py::cast<std::string>(m.name) + " changed since the reader was made (SGLang's loop reads it)";
+  // The lookups gave both classes a valid tag again (unless Python ran out of them).
+  checked_tags_[0] = version_tag(req_type);
+  checked_tags_[1] = version_tag(kv_type);
   return std::string();
-}
-
-void DueRequests::clear() {
-  index.clear();
-  row.clear();
-  pre_len.clear();
-  evicted.clear();
-  has_entry.clear();
-  start.clear();
-  evicted_lengths.clear();
 }
 
 std::string read_due_requests(const RequestClasses& classes, py::handle reqs, int64_t window, int64_t interval,
@@ -258,6 +312,7 @@ std::string read_due_requests(const RequestClasses& classes, py::handle reqs, in
   const py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(reqs.ptr(), "reqs: expected a sequence"));
   if (!seq) throw py::error_already_set();
   try {
+    due.reserve(static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr())));
     read(classes, seq.ptr(), window, interval, page, due);
   } catch (const Refusal& refusal) {
     due.clear();
@@ -267,15 +322,15 @@ std::string read_due_requests(const RequestClasses& classes, py::handle reqs, in
 }
 
 void write_evicted_lengths(const RequestClasses& classes, const DueRequests& due, const int64_t* new_evicted) {
-  for (int64_t j = 0; j < due.size(); ++j) {
-    if (new_evicted[j] == due.evicted[j] && due.has_entry[j]) continue;
+  for (size_t j = 0; j < due.size(); ++j) {
+    if (new_evicted[j] == due[j].evicted && due[j].has_entry) continue;
     const py::object value = py::reinterpret_steal<py::object>(PyLong_FromLongLong(new_evicted[j]));
     if (!value) throw py::error_already_set();
 #if PY_VERSION_HEX < 0x030D0000
-    const int failed = _PyDict_SetItem_KnownHash(due.evicted_lengths[j].ptr(), classes.swa_component.ptr(),
+    const int failed = _PyDict_SetItem_KnownHash(due[j].evicted_lengths.ptr(), classes.swa_component.ptr(),
                                                  value.ptr(), classes.swa_hash);
 #else
-    const int failed = PyDict_SetItem(due.evicted_lengths[j].ptr(), classes.swa_component.ptr(), value.ptr());
+    const int failed = PyDict_SetItem(due[j].evicted_lengths.ptr(), classes.swa_component.ptr(), value.ptr());
 #endif
     if (failed != 0) throw py::error_already_set();
   }

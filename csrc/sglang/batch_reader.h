@@ -1,7 +1,8 @@
 // SGLang's running batch as the scheduler hook (swa_ext/sglang/hooks.py) needs it: the
 // decode branch of ScheduleBatch.maybe_evict_swa reads a handful of lengths from every
 // request's Python objects each step, and reading them here, through the CPython API,
-// costs a few tens of nanoseconds each instead of a Python frame a request.
+// costs a few tens of nanoseconds each instead of a Python frame a request. It reads;
+// window_eviction.cpp frees and writes back.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -29,7 +30,9 @@ constexpr int64_t kMaxLength = int64_t{1} << 62;
 // attribute of those names (a property would take precedence over the instance dict).
 struct RequestClasses {
   RequestClasses(py::object req_type, py::object kv_type, py::object swa_component);
-  // "" or which of the class attributes below changed since.
+  // "" or which of the class attributes below changed since. Python gives a class a new
+  // version tag whenever it or a base changes: while both classes keep the tags they had
+  // at the last full check, nothing is looked up.
   std::string changed_attribute() const;
   py::object req_type;       // sglang.srt.managers.schedule_batch.Req
   py::object kv_type;        // ReqKvInfo, a Req's `kv`
@@ -43,21 +46,26 @@ struct RequestClasses {
   // offset; -1: read through the attribute), in KvField order.
   enum KvField { kRow, kEvictedLengths, kProtectedLen, kEvictFloor, kNumKvFields };
   Py_ssize_t kv_slot_offsets[kNumKvFields];
+
+ private:
+  bool tags_unchanged() const;
+  mutable unsigned int checked_tags_[2] = {0, 0};  // Req's and ReqKvInfo's at the last full check; 0: none
 };
 
-// The due requests of one decode batch that hold KV, in batch order: what SGLang's loop
-// would hand to free_swa_out_of_window_slots.
-struct DueRequests {
-  std::vector<int64_t> index;    // position in the batch
-  std::vector<int64_t> row;      // req_to_token row (kv.req_pool_idx)
-  std::vector<int64_t> pre_len;  // seqlen - 1, the committed length
-  std::vector<int64_t> evicted;  // the SWA evicted length the request holds
-  std::vector<char> has_entry;   // whether its evicted lengths hold an SWA entry (absent: 0)
-  std::vector<int64_t> start;    // where its frees start: max(evicted, swa_dead_lo)
-  std::vector<py::object> evicted_lengths;  // its kv.component_evicted_seqlens, to write back
-  void clear();
-  int64_t size() const { return static_cast<int64_t>(index.size()); }
+// A due request of one decode batch that holds KV: what SGLang's loop would hand to
+// free_swa_out_of_window_slots.
+struct DueRequest {
+  int64_t index;    // position in the batch
+  int64_t row;      // req_to_token row (kv.req_pool_idx)
+  int64_t pre_len;  // seqlen - 1, the committed length
+  int64_t evicted;  // the SWA evicted length the request holds
+  int64_t start;    // where its frees start: max(evicted, swa_dead_lo)
+  bool has_entry;   // whether its evicted lengths hold an SWA entry (absent: 0)
+  py::object evicted_lengths;  // its kv.component_evicted_seqlens, to write back
 };
+
+// A batch's due requests, in batch order.
+using DueRequests = std::vector<DueRequest>;
 
 // Reads the due requests of a decode batch (decode_batch_idx >= 1, a req_to_token row,
 // the due test of rules.h on the evicted length it holds). Returns why SGLang's own loop
