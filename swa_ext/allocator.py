@@ -26,7 +26,7 @@ def _check_dtype(dtype) -> None:
         raise TypeError(f"dtype: expected a torch.dtype (torch.bfloat16, say), got {type(dtype).__name__} {dtype!r}")
 
 
-class PagedTokenToKVPoolAllocator(_C.PagePool):
+class PagedTokenToKVPoolAllocator(_C.PoolAllocator):
     """One paged KV pool (page size > 1): SGLang's ``PagedTokenToKVPoolAllocator``.
 
     ``size`` slots (tokens) in pages of ``page_size`` slots, on ``device`` ("cpu" or
@@ -47,7 +47,7 @@ class PagedTokenToKVPoolAllocator(_C.PagePool):
     def _share(cls, handle, dtype, kvcache):
         """A view of a pool owned by a hybrid allocator (same free list, same guard)."""
         pool = cls.__new__(cls)
-        _C.PagePool.__init__(pool, handle)
+        _C.PoolAllocator.__init__(pool, handle)
         pool._dtype = dtype
         pool._kvcache = kvcache
         return pool

@@ -73,8 +73,8 @@ def parse_signature(owner: str, func) -> Native:
 def natives():
     """Every function pybind11 defines in swa_ext._C, with the owner a test calls it through."""
     found = []
-    owners = {"HybridAllocator": "hybrid", "PagePool": "pool", "AllocatorState": "hybrid_state",
-              "PoolState": "pool_state", "sglang.WindowEviction": "sglang_eviction"}
+    owners = {"HybridAllocator": "hybrid", "PoolAllocator": "pool", "AllocatorState": "hybrid_state",
+              "PagePool": "pool_state", "sglang.WindowEviction": "sglang_eviction"}
     for cls_path, owner in owners.items():
         for name, attr in vars(native_attribute(cls_path)).items():
             if type(attr).__name__ != "instancemethod" or name.startswith("_pybind11"):
@@ -141,7 +141,7 @@ def one_line_type_error(call):
 def test_the_table_holds_every_kind_of_native():
     names = {n.owner for n in NATIVES}
     assert {"hybrid.alloc_decode", "hybrid.free_segment", "hybrid.evict_out_of_window", "pool.alloc_extend",
-            "pool.free_page_ids", "new:HybridAllocator", "new:PagePool", "module.evict_out_of_window",
+            "pool.free_page_ids", "new:HybridAllocator", "new:PoolAllocator", "module.evict_out_of_window",
             "module.swa_tail_len", "hybrid_state.__eq__", "new:sglang.WindowEviction",
             "sglang_eviction.evict"} <= names
     assert len(NATIVES) >= 50
@@ -226,7 +226,7 @@ def test_the_examples_read_as_python_would_say_them():
         "alloc() got multiple values for argument 'need_size'"
     assert one_line_type_error(lambda: w.hybrid.alloc_decode(T(5), T(5))) == \
         "alloc_decode() missing required argument 'last_loc'"
-    assert one_line_type_error(lambda: _C.PagePool(64, PS)) == "PagePool() missing required argument 'device'"
+    assert one_line_type_error(lambda: _C.PoolAllocator(64, PS)) == "PoolAllocator() missing required argument 'device'"
     table = torch.zeros(2, 16, dtype=torch.int32)
     assert one_line_type_error(lambda: decode.evict_out_of_window(w.hybrid, table, [0], [4], [0], 8, 1)) == \
         "evict_out_of_window() takes 6 positional arguments but 7 were given"
@@ -239,12 +239,12 @@ TYPE_FAULTS = [
     ("hybrid.free_segment", ("held",), {"start_pos": None}, "start_pos: expected an int, got NoneType"),
     ("hybrid.resize", (), {"size": "64", "size_swa": 32}, "size: expected an int, got str"),
     ("hybrid.restore_state", (3,), {}, "state: expected an AllocatorState, got int"),
-    ("hybrid.restore_state", ("pool_state",), {}, "state: expected an AllocatorState, got PoolState"),
+    ("hybrid.restore_state", ("pool_state",), {}, "state: expected an AllocatorState, got PagePool"),
     ("hybrid.free", ("x",), {}, "free_index: expected a torch.Tensor, got str"),
     ("pool.alloc_extend", (T(0), T(0), T(4), T(4), T(-1), 4), {"num_new_pages": "1"},
      "num_new_pages: expected an int or None, got str"),
     ("new:HybridAllocator", (64, 32, PS, "cpu", "yes"), {}, "need_sort: expected a bool, got str"),
-    ("new:PagePool", (64, PS, "cpu"), {"kernels": 3}, "kernels: expected a str, got int"),
+    ("new:PoolAllocator", (64, PS, "cpu"), {"kernels": 3}, "kernels: expected a str, got int"),
     ("module.swa_tail_len", (10, 4.5, PS), {}, "window: expected an int, got float"),
     ("sglang_eviction.evict", ("hybrid", [], torch.zeros(2, 16, dtype=torch.int32), "8", 1, True), {},
      "window: expected an int, got str"),

@@ -488,14 +488,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }, swa_docs::evicted_after_step, py::arg("evicted"), py::arg("pre_len"), py::arg("window"), py::arg("page_size"),
         py::arg("interval") = 1, py::arg("prefix_sharing") = false);
   // The cheapest native call over an allocation's arguments: the floor benchmarks compare with.
-  m.def("bench_floor", [](const py::args& args) { return args[args.size() - 1]; }, swa_docs::bench_floor);
 
   py::class_<swa::AllocatorState>(m, "AllocatorState")
       .def("__eq__", [](const swa::AllocatorState& a, const swa::AllocatorState& b) { return a == b; });
-  py::class_<swa::PagePool>(m, "PoolState")
+  py::class_<swa::PagePool>(m, "PagePool")
       .def("__eq__", [](const swa::PagePool& a, const swa::PagePool& b) { return a == b; });
 
-  py::class_<PoolHandle>(m, "PagePool", swa_docs::pool_class)
+  py::class_<PoolHandle>(m, "PoolAllocator", swa_docs::pool_class)
       .def(py::init([](int64_t size, int64_t page_size, const py::object& device, bool need_sort, const std::string& kernels) {
              return make_pool(size, page_size, device_arg(device), need_sort, kernels);
            }),

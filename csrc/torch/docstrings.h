@@ -63,9 +63,6 @@ inline constexpr char evicted_after_step[] =
     "keep a whole page-rounded window (a radix cache may still match the tokens).\n"
     "Returns evicted when nothing is due, else a larger page-aligned length.";
 
-inline constexpr char bench_floor[] =
-    "The cheapest native call taking a call's tensors: the benchmarks' floor.";
-
 // ---------------------------------------------------------------------------- one page pool
 
 inline constexpr char pool_class[] =

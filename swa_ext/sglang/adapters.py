@@ -18,7 +18,7 @@ from sglang.srt.utils import get_bool_env_var
 from .. import _C, allocator
 
 
-class _AdapterMeta(type(_C.PagePool), abc.ABCMeta):
+class _AdapterMeta(type(_C.PoolAllocator), abc.ABCMeta):
     """pybind11's metaclass and SGLang's (ABCMeta) in one, for classes with both bases."""
 
 

@@ -110,7 +110,7 @@ def _warn_if_built_elsewhere(configurator, allocator_given, pools):
     stands for: swa_ext serves nothing in that process."""
     built = pools.token_to_kv_pool_allocator
     if allocator_given is not None or built is None or type(built) in _STOOD_IN or \
-            isinstance(built, (_C.HybridAllocator, _C.PagePool)):
+            isinstance(built, (_C.HybridAllocator, _C.PoolAllocator)):
         return
     if kv_cache_configurator.get_memory().enable_unified_memory:
         why = ("--enable-unified-memory: SGLang builds its unified allocator in kv_cache_configurator.py before "

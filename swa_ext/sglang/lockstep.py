@@ -147,7 +147,7 @@ def _attach_shadow(alloc, shadow, lockstep):
 
 class _LockstepPoolSide(_LockstepSide):
     def _lockstep_state(self):
-        return [("available_size()", _C.PagePool.available_size(self), self._shadow.available_size())]
+        return [("available_size()", _C.PoolAllocator.available_size(self), self._shadow.available_size())]
 
 
 def _lockstep_pool_class(base):

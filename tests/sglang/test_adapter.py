@@ -26,8 +26,8 @@ def lockstep(size=256, size_swa=128, page_size=16, **kwargs):
 
 def test_the_classes_are_sglangs_types_with_native_methods_first():
     pairs = [(adapter.SWATokenToKVPoolAllocator, sglang_swa.SWATokenToKVPoolAllocator, swa_ext._C.HybridAllocator),
-             (adapter.PagedTokenToKVPoolAllocator, sglang_paged.PagedTokenToKVPoolAllocator, swa_ext._C.PagePool),
-             (adapter.TokenToKVPoolAllocator, sglang_token.TokenToKVPoolAllocator, swa_ext._C.PagePool)]
+             (adapter.PagedTokenToKVPoolAllocator, sglang_paged.PagedTokenToKVPoolAllocator, swa_ext._C.PoolAllocator),
+             (adapter.TokenToKVPoolAllocator, sglang_token.TokenToKVPoolAllocator, swa_ext._C.PoolAllocator)]
     for ours, theirs, native in pairs:
         assert issubclass(ours, theirs) and issubclass(ours, native)
         assert ours.__mro__.index(native) < ours.__mro__.index(theirs)
@@ -98,7 +98,7 @@ def test_lockstep_names_the_first_divergent_call():
     alloc = lockstep()
     first = alloc.alloc_extend(t([0]), t([0]), t([20]), t([20]), t([-1]), 20)
     # Taken from swa_ext's full pool alone, bypassing the mirror: the allocators now differ.
-    swa_ext._C.PagePool.alloc(alloc.full_attn_allocator, 16)
+    swa_ext._C.PoolAllocator.alloc(alloc.full_attn_allocator, 16)
     with pytest.raises(adapter.LockstepDivergence, match=r"alloc_decode\(tensor\(\[21\].* after 2 calls: after it "
                                                          r"full_available_size\(\) is 208 in swa_ext, 224 in SGLang"):
         alloc.alloc_decode(t([21]), t([21]), t([int(first[-1])]))
