@@ -3,7 +3,8 @@ tests/sglang/test_spec_engine.py.
 
 Run as a script in its own process (SWA_EXT_SGLANG, SWA_EXT_SPEC_BRIDGES and SGLang's checks
 are read at start-up): ``python spec_engine_run.py MODEL_DIR DRAFT_DIR RESULT_JSON ALGORITHM
-DRAFT_TOKENS PAGE_SIZE MAX_TOTAL_TOKENS`` (DRAFT_DIR ``-`` for NGRAM). One round of greedy
+DRAFT_TOKENS PAGE_SIZE MAX_TOTAL_TOKENS LOAD_FORMAT`` (DRAFT_DIR ``-`` for NGRAM; LOAD_FORMAT
+``dummy``: SGLang's random weights for the model and its draft, from their configs alone). One round of greedy
 generation on prompts that repeat themselves (so NGRAM's drafts are sometimes right);
 writes the output ids, cached-token counts and the accepted-draft counts.
 """
@@ -22,10 +23,12 @@ def prompts():
     return out
 
 
-def main(model_dir, draft_dir, result_path, algorithm, draft_tokens, page_size, max_total_tokens):
+def main(model_dir, draft_dir, result_path, algorithm, draft_tokens, page_size, max_total_tokens, load_format):
     import sglang
 
     spec = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": draft_tokens}
+    if load_format == "dummy":
+        spec.update(load_format="dummy", speculative_draft_load_format="dummy")
     if algorithm == "NGRAM":
         # One chain of draft tokens (a tree needs the tree-mask attention of a GPU backend).
         spec.update(speculative_ngram_max_bfs_breadth=1, speculative_ngram_min_bfs_breadth=1)
@@ -48,4 +51,5 @@ def main(model_dir, draft_dir, result_path, algorithm, draft_tokens, page_size, 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]),
+         sys.argv[8])
