@@ -94,12 +94,13 @@ def test_evict_per_request_matches_trace_meta():
     for name, ps, rec in _eviction_records():
         m = rec["meta"]
         old, new, pre = m["old"], m["new"], m["pre_len"]
-        assert evicted_after_step(old, pre, m["window"], ps) == new, (name, m)
+        sharing = m.get("prefix_sharing", False)  # the speculative traces' radix runs share prefixes
+        assert evicted_after_step(old, pre, m["window"], ps, prefix_sharing=sharing) == new, (name, m)
         # One request whose row holds the traced indices at [old, new).
         row = torch.zeros((1, new + 4), dtype=torch.int32)
         row[0, old:new] = torch.tensor(rec["indices"], dtype=torch.int32)
         spy = _Spy()
-        out = evict_per_request(spy, row, [0], [pre], [old], m["window"], ps)
+        out = evict_per_request(spy, row, [0], [pre], [old], m["window"], ps, prefix_sharing=sharing)
         assert out == [new]
         assert spy.calls == [(rec["indices"], rec["start_pos"])], (name, m)
         n += 1

@@ -191,7 +191,8 @@ def test_golden_traces_with_pre_alloc_and_batched_eviction(path):
             # A one-row table holding the request's slots at [old, new).
             scratch = torch.zeros((1, pre_len), dtype=dtype)
             scratch[0, old:new] = torch.tensor(rec["indices"], dtype=dtype)
-            got = decode.evict_out_of_window(alloc, scratch, [0], [pre_len], [old], meta["window"])
+            got = decode.evict_out_of_window(alloc, scratch, [0], [pre_len], [old], meta["window"],
+                                             prefix_sharing=meta.get("prefix_sharing", False))
             assert got.tolist() == [new], where
             evictions += 1
         else:

@@ -46,4 +46,5 @@ def test_golden_trace_replays_exactly(path, backend):
 
 
 def test_all_traces_present():
-    assert len(trace_paths()) == 36
+    names = [p.name for p in trace_paths()]
+    assert len(names) == 44 and sum(n.startswith("spec_") for n in names) == 8  # SPEC.md sections 6 and 7

@@ -32,8 +32,9 @@ def test_golden_replay(path):
 
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.name.removesuffix(".jsonl.gz") for p in TRACES])
-def test_golden_meta_follows_section5(path):
-    """The recorded preallocation tails and eviction steps follow swa_tail_len / evicted_after_step."""
+def test_golden_meta_follows_sections_5_and_7(path):
+    """The recorded preallocation tails and eviction steps follow swa_tail_len / evicted_after_step;
+    the speculative decode reserves follow section 7."""
     records = load_trace(path)
     ps = records[0]["page_size"]
     for no, rec in enumerate(records):
@@ -44,9 +45,18 @@ def test_golden_meta_follows_section5(path):
             tail = swa_tail_len(meta["fill_len"], meta["window"], ps, radix_cache=meta["radix"])
             assert tail == rec["swa_tail_len"], (no, rec)
             assert meta["fill_len"] - tail == meta["swa_evicted_seqlen"], (no, rec)
+        elif "reserve" in meta:
+            # Every request up to cdiv(committed + reserve, ps) pages, from what it holds.
+            want = [max(a, -(-(c + meta["reserve"]) // ps) * ps) for a, c in zip(meta["allocated"], meta["committed"])]
+            if rec["op"] == "alloc":  # page size 1: one allocation for the batch
+                assert rec["need_size"] == sum(w - a for w, a in zip(want, meta["allocated"])), (no, rec)
+            else:
+                assert rec["prefix_lens"] == meta["allocated"] and rec["seq_lens"] == want, (no, rec)
         else:
-            # The traces' eviction runs without prefix sharing, radix or not.
-            assert evicted_after_step(meta["old"], meta["pre_len"], meta["window"], ps) == meta["new"], (no, rec)
+            # The plain traces' eviction runs without prefix sharing, radix or not.
+            sharing = meta.get("prefix_sharing", False)
+            assert evicted_after_step(meta["old"], meta["pre_len"], meta["window"], ps,
+                                      prefix_sharing=sharing) == meta["new"], (no, rec)
             assert len(rec["indices"]) == meta["new"] - meta["old"], (no, rec)
             if "start_pos" in rec:
                 assert rec["start_pos"] == meta["old"], (no, rec)

@@ -39,22 +39,29 @@ def run_engine(model, page_size, pool, mode):
     env.pop("SWA_EXT_SGLANG", None)
     if mode != "sglang":
         env["SWA_EXT_SGLANG"] = mode
+    proc, log, counts, wall = run_script([os.path.join(HERE, "engine_run.py"), model, result, str(page_size),
+                                          str(pool[0]), pool[1]], env, out_dir, report)
+    assert proc.returncode == 0 and os.path.exists(result), f"engine run failed ({mode}):\n{log[-6000:]}"
+    with open(result) as f:
+        rounds = json.load(f)["rounds"]
+    print(f"engine run page {page_size} pool {pool} {mode}: {wall:.0f} s, lockstep calls {sum(counts.values())}")
+    return {"rounds": rounds, "log": log, "counts": counts, "wall": wall}
+
+
+def run_script(args, env, out_dir, report):
+    """Runs one engine script in its own process: (the process, its log, also written to
+    out_dir/log.txt, the lockstep call counts it reported, the wall time)."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_run.py"), model, result, str(page_size),
-                           str(pool[0]), pool[1]], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable] + args, env=env, capture_output=True, text=True, timeout=900)
     wall = time.monotonic() - start
     log = proc.stdout + proc.stderr
     with open(os.path.join(out_dir, "log.txt"), "w") as f:
         f.write(log)
-    assert proc.returncode == 0 and os.path.exists(result), f"engine run failed ({mode}):\n{log[-6000:]}"
-    with open(result) as f:
-        rounds = json.load(f)["rounds"]
     counts = {}
     if os.path.exists(report):
         with open(report) as f:
             counts = json.load(f)
-    print(f"engine run page {page_size} pool {pool} {mode}: {wall:.0f} s, lockstep calls {sum(counts.values())}")
-    return {"rounds": rounds, "log": log, "counts": counts, "wall": wall}
+    return proc, log, counts, wall
 
 
 def swa_ext_lines(log):
