@@ -17,7 +17,7 @@ if _missing:
 
 from .node import DecodeNode, PolicyResult, default_allocator
 from .report import ROW_DESCRIPTIONS, format_conclusion, format_table, plot, report
-from .runs import PlannedRun, conclusion, plan_runs, ratio_step_label, run, simulate, simulate_config
+from .runs import PlannedRun, conclusion, plan_runs, run, simulate, simulate_config
 from .scenario import (COLUMNS, DEFAULT_RESERVED_DECODE_TOKENS, EVICTING, GIB, MAX_POOL_TOKENS, POLICIES, SGLANG,
                        SGLANG_DEFAULT_EVICTION_INTERVAL, SGLANG_DEFAULT_SWA_RATIO, SWA_EXT, SWA_EXT_EVICTION_INTERVAL,
                        SWA_RATIO_SWEEP, PolicyConfig, Scenario, SimulationError, capacity_bound, fits_empty_node,
@@ -31,6 +31,6 @@ __all__ = [
     "SWA_EXT_EVICTION_INTERVAL", "SWA_RATIO_SWEEP", "DecodeNode", "PlannedRun", "PolicyConfig", "PolicyResult",
     "Scenario", "SimulationError", "capacity_bound", "conclusion", "default_allocator", "fits_empty_node",
     "format_conclusion", "format_table", "plan_runs", "plan_scenario", "plot", "policy_config", "pool_sizes",
-    "ratio_step_label", "report", "request_cap_pool_sizes", "run", "simulate", "simulate_config", "sglang_config",
+    "report", "request_cap_pool_sizes", "run", "simulate", "simulate_config", "sglang_config",
     "sglang_decode_extra_slots", "sglang_swa_pool_tokens", "sglang_swa_request_cap", "tail_swa_pages_bound",
 ]

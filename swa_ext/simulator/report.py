@@ -159,9 +159,9 @@ def format_conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> s
         more = x["mean_running"] - s["mean_running"]
         if "ratio_step" in v:
             step = v["ratio_step"]
-            split = (f"Of the {more:+.1f}, {v['from_ratio']:+.1f} come from the SWA ratio ({step['column']}: ratio "
-                     f"{step['swa_ratio']:g}, eviction {_every(step['eviction_interval'])}, {step['mean_running']:.1f}) "
-                     f"and {v['from_interval']:+.1f} from evicting every step.")
+            split = (f"Of the {more:+.1f}, {v['from_ratio']:+.1f} come from the SWA ratio (tail, SGLang at its best "
+                     f"ratio {step['swa_ratio']:g}: {step['mean_running']:.1f}) and {v['from_interval']:+.1f} from "
+                     f"evicting every step.")
             flags = f"--swa-full-tokens-ratio {x['swa_ratio']:g}"
         else:
             split = (f"All {more:+.1f} come from evicting every step: SGLang sizes the SWA pool for "

@@ -1,6 +1,6 @@
 """The comparison: the columns planned from a scenario, each column's best SWA ratio of
-a sweep, and the conclusion: swa_ext against SGLang as it ships, split into what the
-SWA ratio and what eviction every step give, and what window-tail preallocation saves."""
+a sweep, and the conclusion: swa_ext against SGLang as it ships, split into what tuning
+the SWA ratio and what eviction every step give, and what window-tail preallocation saves."""
 
 from __future__ import annotations
 
@@ -116,41 +116,27 @@ def _best_of(scenario: Scenario, planned: PlannedRun, *, allocator_factory, prog
     return best
 
 
-def ratio_step_label(ratio: float) -> str:
-    """The column of ``tail`` at swa_ext's SWA ratio and SGLang's interval, when the
-    ``tail`` column found another ratio: the step between ``sglang`` and ``swa_ext``."""
-    return f"tail@{ratio:g}"
-
-
 def run(scenario: Scenario, columns=COLUMNS, *, swa_ratio: float | None = None,
         sweep: tuple[float, ...] = SWA_RATIO_SWEEP, allocator_factory=default_allocator,
         progress: bool = False, on_run=None) -> dict[str, PolicyResult]:
-    """The comparison: one result per planned column (``plan_runs``), by label, and,
-    when ``sglang`` and a swept ``swa_ext`` are both run and ``tail`` is not at
-    swa_ext's ratio, ``tail`` at that ratio (``ratio_step_label``), so that the
-    conclusion's split into ratio and interval names only columns of the table.
-    ``on_run(label, result, seconds)`` is called after every run, sweeps included."""
-    kw = {"allocator_factory": allocator_factory, "progress": progress, "on_run": on_run}
-    results = {planned.label: _best_of(scenario, planned, **kw) for planned in plan_runs(scenario, columns,
-                                                                                       swa_ratio, sweep)}
-    step = _ratio_step(scenario, results)
-    if step is not None and step not in results:
-        ratio = results[SWA_EXT].swa_ratio
-        results[step] = _best_of(scenario, PlannedRun(step, (policy_config(scenario, "tail", ratio),)), **kw)
-    return results
+    """The comparison: one result per planned column (``plan_runs``), by label; with
+    ``sglang`` and ``swa_ext`` (and no cap on running requests) also ``tail``, the step
+    between them that the conclusion's split names. ``on_run(label, result, seconds)`` is
+    called after every run, sweeps included."""
+    columns = tuple(dict.fromkeys(columns))
+    if _splits_at_tail(scenario, columns) and "tail" not in columns:
+        columns += ("tail",)
+    return {planned.label: _best_of(scenario, planned, allocator_factory=allocator_factory, progress=progress,
+                                    on_run=on_run)
+            for planned in plan_runs(scenario, columns, swa_ratio, sweep)}
 
 
-def _ratio_step(scenario: Scenario, results: dict[str, PolicyResult]) -> str | None:
-    """The label of ``tail`` at swa_ext's ratio and SGLang's interval; None where the
-    split does not apply (no ``sglang`` or ``swa_ext`` column, or both sized from a cap
-    on running requests, where SGLang takes no ratio)."""
-    if SGLANG not in results or SWA_EXT not in results or scenario.max_running_requests is not None:
-        return None
-    tail = results.get("tail")
-    ratio = results[SWA_EXT].swa_ratio
-    if tail is not None and tail.swa_ratio == ratio:
-        return "tail"
-    return ratio_step_label(ratio)
+def _splits_at_tail(scenario: Scenario, columns) -> bool:
+    """Whether swa_ext's lead over sglang splits at ``tail``: SGLang's tail preallocation
+    and interval at the best SWA ratio, what tuning SGLang's ratio alone gives; the rest
+    is eviction every step. Not with a cap on running requests: SGLang then takes no
+    ratio, both size the SWA pool from the cap and the interval."""
+    return SGLANG in columns and SWA_EXT in columns and scenario.max_running_requests is None
 
 
 def _summary(label: str, r: PolicyResult) -> dict:
@@ -175,14 +161,14 @@ def conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> dict | N
             "concurrency_vs_sglang": x.mean_running / s.mean_running if s.mean_running else None,
             "max_running_requests": scenario.max_running_requests,
         }
-        step = _ratio_step(scenario, results)
-        if step is None:
+        if not _splits_at_tail(scenario, results):
             # Both sized from the cap: the interval decides the SWA pool, so all of it is the interval's.
             vs["from_ratio"], vs["from_interval"] = 0.0, x.mean_running - s.mean_running
         else:
-            vs["ratio_step"] = _summary(step, results[step])
-            vs["from_ratio"] = results[step].mean_running - s.mean_running
-            vs["from_interval"] = x.mean_running - results[step].mean_running
+            t = results["tail"]
+            vs["ratio_step"] = _summary("tail", t)
+            vs["from_ratio"] = t.mean_running - s.mean_running
+            vs["from_interval"] = x.mean_running - t.mean_running
         out["swa_ext_vs_sglang"] = vs
     whole = next((label for label in ("full", "evict") if label in results), None)
     if "tail" in results and whole is not None:

@@ -185,10 +185,6 @@ def _checked(scenario: Scenario, label: str, config: PolicyConfig) -> PolicyConf
         raise SimulationError(
             f"{scenario.kv_memory_gib:g} GiB of KV memory gives the {label!r} column a full pool of "
             f"{config.size_full} tokens, more than the {MAX_POOL_TOKENS} int32 slot ids of req_to_token")
-    if config.size_full <= 0:
-        raise SimulationError(
-            f"{scenario.kv_memory_gib:g} GiB of KV memory leaves the {label!r} column no full pool: SGLang's SWA pool "
-            f"for {config.max_running} running requests at eviction interval {config.eviction_interval} takes it all")
     return config
 
 
@@ -216,7 +212,11 @@ def sglang_config(scenario: Scenario, interval: int | None = None, label: str = 
         return policy_config(scenario, "tail", SGLANG_DEFAULT_SWA_RATIO, interval)
     size_full, size_swa = request_cap_pool_sizes(scenario.model, scenario.kv_memory_gib * GIB, scenario.page_size,
                                                  interval, max_running)
-    ratio = size_swa / size_full if size_full > 0 else math.inf
+    if size_full <= 0:
+        raise SimulationError(
+            f"{scenario.kv_memory_gib:g} GiB of KV memory leaves the {label!r} column no full pool: SGLang's SWA pool "
+            f"for {max_running} running requests at eviction interval {interval} takes it all")
+    ratio = size_swa / size_full
     return _checked(scenario, label, PolicyConfig("tail", ratio, size_full, size_swa, interval, max_running))
 
 
