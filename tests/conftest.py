@@ -58,12 +58,15 @@ def pytest_collection_modifyitems(config, items):
 # The groups of tests a run may skip, each by a fragment of its skip reason: what they are
 # and the command that runs them. A reason of no group is shown as it is.
 SKIPPED_GROUPS = (
-    ("slow: run with --slow", "slow tests and long property-test budgets", "scripts/run-tests.sh --slow"),
+    ("slow: run with --slow", "slow tests (the soak, long property-test budgets, the documented long runs)",
+     "scripts/run-tests.sh --slow"),
     ("no CUDA kernels", "CUDA tests (this build has no CUDA kernels)",
      "scripts/device-check.sh on a machine with a GPU"),
     ("no GPU on this machine", "CUDA tests (no GPU here)", "scripts/device-check.sh on a machine with a GPU"),
     ("a GPU-only check", "GPU-only checks", "scripts/device-check.sh on a machine with a GPU"),
     ("sglang is not importable", "tests/sglang (SGLang's engine, PD node and pair, the eviction hook)",
+     "scripts/setup-sglang.sh, then scripts/run-tests.sh"),
+    ("the pair needs Mooncake's transfer engine", "the prefill/decode pair (Mooncake's engine, SGLang's router)",
      "scripts/setup-sglang.sh, then scripts/run-tests.sh"),
 )
 
