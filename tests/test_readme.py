@@ -128,6 +128,7 @@ COMMANDS = {
     "scripts/run-sglang-bench.sh swa_ext_bench --json out/sglang-ref.json --markdown out/sglang-ref.md": ("slow", _sglang_missing),
     ".venv/bin/swa-ext simulate --trace swa_ext/data/mooncake_conversation_trace_2000.jsonl --time-scale 0.1 "
     "--model gpt-oss-20b": ("slow", lambda: None),
+    ".venv/bin/swa-ext simulate --policy sglang --policy swa_ext --max-running-requests 1024": ("slow", lambda: None),
 }
 DEPLOYMENT_BLOCKS = {
     "python -m sglang.launch_server --model-path MODEL --host 127.0.0.1 --port 30000 "

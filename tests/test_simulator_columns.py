@@ -104,3 +104,33 @@ def test_transfer_line_is_tails_total():
     assert (f"{t.transfer_gib:.1f} GiB of KV in total over the {len(scenario.requests)} requests instead of "
             f"{f.transfer_gib:.1f} GiB") in lines[0]
     assert t.timeline_transfer_gib[-1] == t.transfer_gib  # the plot's last panel ends at the total
+
+
+def test_plot_shows_every_column_legends_outside_and_the_transfer(tmp_path, monkeypatch):
+    """Each column its own line in every panel (evict a wide band under tail, so neither
+    hides the other), each bound its own legend entry, the legends beside the data, and a
+    panel for the KV received."""
+    import matplotlib.figure
+
+    scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=2.0)
+    results = simulator.run(scenario, swa_ratio=0.3)
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k)))
+    simulator.plot(scenario, results, str(tmp_path / "p.png"))
+    (fig,) = drawn
+    axes = fig.axes
+    assert len(axes) == 4 and "KV received" in axes[3].get_ylabel()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()  # the figure is closed: a canvas to measure it on
+    for ax in axes:
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert all(any(name.startswith(label) for name in lines) for label in results), list(lines)
+        assert ax.get_legend().get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1
+    legend = [t.get_text() for t in axes[0].get_legend().get_texts()]
+    assert all(f"{label}: bound of the mean" in " ".join(legend) for label in results)
+    evict, tail = (next(line for line in axes[0].get_lines() if line.get_label().startswith(f"{label} (")) for label in
+                   ("evict", "tail"))
+    assert evict.get_linewidth() > tail.get_linewidth() and evict.get_zorder() < tail.get_zorder()
+    assert axes[3].get_lines()[0].get_ydata()[-1] == pytest.approx(results["full"].transfer_gib)
