@@ -134,3 +134,10 @@ def test_plot_shows_every_column_legends_outside_and_the_transfer(tmp_path, monk
                    ("evict", "tail"))
     assert evict.get_linewidth() > tail.get_linewidth() and evict.get_zorder() < tail.get_zorder()
     assert axes[3].get_lines()[0].get_ydata()[-1] == pytest.approx(results["full"].transfer_gib)
+
+
+def test_conclusion_at_a_pinned_ratio_names_it():
+    scenario = plan_scenario(load_trace(MOONCAKE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=2.0)
+    results = simulator.run(scenario, ("tail", "sglang", "swa_ext"), swa_ratio=0.3)
+    first = simulator.format_conclusion(scenario, results).splitlines()[0]
+    assert f"(tail, SGLang at ratio 0.3: {results['tail'].mean_running:.1f})" in first and "best" not in first

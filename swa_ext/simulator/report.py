@@ -159,7 +159,8 @@ def format_conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> s
         more = x["mean_running"] - s["mean_running"]
         if "ratio_step" in v:
             step = v["ratio_step"]
-            split = (f"Of the {more:+.1f}, {v['from_ratio']:+.1f} come from the SWA ratio (tail, SGLang at its best "
+            best = "its best " if results["tail"].sweep else ""
+            split = (f"Of the {more:+.1f}, {v['from_ratio']:+.1f} come from the SWA ratio (tail, SGLang at {best}"
                      f"ratio {step['swa_ratio']:g}: {step['mean_running']:.1f}) and {v['from_interval']:+.1f} from "
                      f"evicting every step.")
             flags = f"--swa-full-tokens-ratio {x['swa_ratio']:g}"
