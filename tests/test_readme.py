@@ -186,6 +186,11 @@ def test_shell_command_runs(where, command, entry, request):
                          text=True, timeout=3600, env={**os.environ, "MAX_JOBS": os.environ.get("MAX_JOBS", "1")})
     assert got.returncode == 0, f"{where}:\n{got.stdout[-3000:]}\n{got.stderr[-3000:]}"
     assert "Traceback" not in got.stderr, got.stderr[-3000:]
+    if command == "scripts/run-simulator.sh":
+        # What the README says the quick start prints is what it prints.
+        quoted = [line for _, code in fenced_blocks("") for line in code.splitlines()
+                  if line.startswith(("conclusion: ", "transfer: ", "against full"))]
+        assert len(quoted) == 3 and all(line in got.stdout.splitlines() for line in quoted), got.stdout[-3000:]
 
 
 
