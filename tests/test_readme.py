@@ -195,3 +195,19 @@ def test_shell_command_runs(where, command, entry, request):
 
 
 
+
+
+def test_the_cli_is_where_the_readme_says():
+    """The quick start names the venv's swa-ext (and activating the venv), and
+    run-simulator.sh passes its arguments on to swa-ext simulate."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "`.venv/bin/swa-ext simulate --help`" in readme and "`source .venv/bin/activate`" in readme
+    assert "arguments after it go to\n`swa-ext simulate`" in readme
+    program = ROOT / ".venv" / "bin" / "swa-ext"
+    if not program.exists():
+        pytest.skip(f"{program} not built here: scripts/setup-env.sh")
+    direct = subprocess.run([program, "simulate", "--help"], capture_output=True, text=True, timeout=300)
+    assert direct.returncode == 0 and direct.stdout.startswith("usage: swa-ext simulate")
+    through = subprocess.run([ROOT / "scripts" / "run-simulator.sh", "--help"], capture_output=True, text=True,
+                             timeout=1800)
+    assert through.returncode == 0 and through.stdout == direct.stdout
