@@ -22,15 +22,27 @@ EOF
 )
 
 groups=()
-stop_all() {
-  for pid in "${groups[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
-  for _ in $(seq 20); do
+# Waits up to $1 seconds while any process (or group: "-") of the list is alive.
+wait_gone() {
+  local seconds=$1 prefix=$2
+  for _ in $(seq "$seconds"); do
     alive=0
-    for pid in "${groups[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
-    (( alive )) || break
+    for pid in "${groups[@]}"; do kill -0 -- "$prefix$pid" 2>/dev/null && alive=1; done
+    (( alive )) || return 0
     sleep 1
   done
+}
+# The leaders first: SGLang's server then stops its subprocess watchdog and ends its
+# scheduler itself (a scheduler killed under it is logged as crashed); then each group.
+stop_all() {
+  for pid in "${groups[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  wait_gone 20 ""
+  for pid in "${groups[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+  wait_gone 10 -
   for pid in "${groups[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+  if grep -l "crashed with exit code" "$WORK"/*.log >/dev/null 2>&1; then
+    echo "a process crashed:"; grep -h "crashed with exit code" "$WORK"/*.log
+  fi
   echo "logs: $WORK"
 }
 trap stop_all EXIT

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test: the C++ core's unit tests (ctest), the Python suite (pytest), and
 # tests/sglang (SGLang's engine on swa_ext) in .venv-cuda when scripts/setup-sglang.sh
-# has made it; without that venv they are not run and a line says so.
+# has made it. What is not run is said at the end, one "not run:" line a group with the
+# command that runs it (tests/conftest.py; tests/sglang's line here, without that venv).
 # Arguments go to pytest. Options alone (--slow for the long fuzzing budgets, -x, -k EXPR,
 # -m EXPR) apply to the whole run; test paths or node ids (tests/test_cli.py,
 # tests/test_decode.py::test_x) run only those, with pytest, and skip ctest.
@@ -29,7 +30,8 @@ done
 sglang_tests() {
   local py="${SWA_EXT_CUDA_VENV:-$ROOT/.venv-cuda}/bin/python"
   if ! "$py" -c "import sglang.srt.mem_cache.allocator.swa" >/dev/null 2>&1; then
-    echo "run-tests: tests/sglang NOT run: sglang is not importable in .venv-cuda (scripts/setup-sglang.sh installs it)" >&2
+    echo "not run: tests/sglang (SGLang's engine, PD node and pair, the eviction hook; sglang is not importable" \
+      "in ${py%/bin/python}): scripts/setup-sglang.sh, then scripts/run-tests.sh" >&2
     return 0
   fi
   SWA_EXT_BUILD_ONLY=1 "$ROOT/scripts/build-cuda.sh" >/dev/null  # incremental: current with csrc/ and swa_ext/

@@ -38,6 +38,9 @@ class PagedTokenToKVPoolAllocator(_C.PoolAllocator):
     """
 
     def __init__(self, size, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
+        """A pool of ``size`` slots (tokens) in pages of ``page_size``; ``dtype`` a
+        ``torch.dtype``, ``device`` "cpu" or "cuda", the rest as the class says. Raises
+        ValueError or TypeError naming a bad argument, MemoryError naming ``size``."""
         _check_dtype(dtype)
         super().__init__(size, page_size, _checked_device(device), need_sort, kernels)
         self._dtype = dtype
@@ -70,6 +73,8 @@ class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """
 
     def __init__(self, size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
+        """A pool of ``size`` slots (tokens), page size 1; the rest as for
+        ``PagedTokenToKVPoolAllocator``."""
         super().__init__(size, 1, dtype, device, kvcache, need_sort, kernels)
 
 
@@ -88,7 +93,7 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     whose tables do not fit in memory raises MemoryError naming it; nothing is built.
 
     With ``device="cuda"`` the free lists, the mapping and every returned tensor live on
-    the GPU (README: "CUDA"). ``kernels="emulated"`` with ``device="cpu"`` runs the GPU
+    the GPU (docs/cuda.md). ``kernels="emulated"`` with ``device="cpu"`` runs the GPU
     algorithm's kernels element by element on the CPU, for testing it without a GPU.
     """
 
@@ -97,6 +102,13 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     _token_view_class = TokenToKVPoolAllocator
 
     def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
+        """Two pools: ``size`` full-attention slots and ``size_swa`` SWA slots (tokens), in
+        pages of ``page_size`` slots; ``dtype`` a ``torch.dtype``, recorded for the caller;
+        ``device`` "cpu" or "cuda"; ``kvcache``, ``need_sort`` and ``kernels`` as the class
+        says. As in SGLang, the ``size`` property then reads the smaller pool,
+        min(size_full, size_swa): ``size_full`` and ``size_swa`` read each. Raises
+        ValueError or TypeError naming a bad argument, MemoryError naming ``size`` or
+        ``size_swa`` (with the bytes its tables need)."""
         _check_dtype(dtype)
         super().__init__(size, size_swa, page_size, _checked_device(device), need_sort, kernels)
         self._dtype = dtype

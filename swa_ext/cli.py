@@ -83,13 +83,13 @@ def _swa_ratio(text: str) -> float:
 
 def _simulate_parser() -> argparse.ArgumentParser:
     from swa_ext.models import load_models
-    from swa_ext.simulator import (DEFAULT_RESERVED_DECODE_TOKENS, POLICIES, SGLANG_DEFAULT_EVICTION_INTERVAL,
-                                   SGLANG_DEFAULT_SWA_RATIO)
+    from swa_ext.simulator import COLUMNS, DEFAULT_RESERVED_DECODE_TOKENS, SGLANG_DEFAULT_EVICTION_INTERVAL
 
     p = _Parser(
         prog=f"{PROG} simulate",
         description="Replay a request trace through a simulated decode node under the "
-        "full, evict and tail SWA policies, with the same KV memory for each.",
+        "full, evict and tail SWA policies, SGLang 0.5.23 as it ships (sglang) and swa_ext in "
+        "SGLang (swa_ext), with the same KV memory for each.",
     )
     p.add_argument("--trace", help="CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or JSONL "
                    "(timestamp ms, input_length, output_length); default: the bundled Azure "
@@ -100,16 +100,20 @@ def _simulate_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-memory-gib", type=_bounded_float(MAX_KV_MEMORY_GIB, KV_MEMORY_TOO_LARGE), default=40.0,
                    help="KV cache memory of the node, both pools together (default 40)")
     p.add_argument("--swa-ratio", type=_swa_ratio,
-                   help="SWA pool tokens per full pool token for evict and tail (full uses 1); "
-                   f"default: each at its best of a sweep, and at SGLang's default {SGLANG_DEFAULT_SWA_RATIO:g}")
+                   help="SWA pool tokens per full pool token for evict, tail and swa_ext (full uses 1, "
+                   "sglang its own sizing); default: each at its best of a sweep")
     p.add_argument("--reserved-decode-tokens", type=_non_negative_int, default=DEFAULT_RESERVED_DECODE_TOKENS,
                    help="decode room kept per running request at admission, SGLang's "
                    f"num_reserved_decode_tokens (default {DEFAULT_RESERVED_DECODE_TOKENS})")
     p.add_argument("--eviction-interval", type=_positive_int, default=SGLANG_DEFAULT_EVICTION_INTERVAL,
                    metavar="N", help="free a request's out-of-window SWA KV once N tokens have slid out of its "
-                   f"window, SGLang's SGLANG_SWA_EVICTION_INTERVAL (default {SGLANG_DEFAULT_EVICTION_INTERVAL})")
-    p.add_argument("--policy", choices=POLICIES, action="append",
-                   help="run only this policy (repeatable; default: all three)")
+                   f"window, SGLang's SGLANG_SWA_EVICTION_INTERVAL (default {SGLANG_DEFAULT_EVICTION_INTERVAL}); "
+                   "swa_ext evicts every step")
+    p.add_argument("--max-running-requests", type=_positive_int, metavar="N",
+                   help="cap every column's running batch at N, SGLang's --max-running-requests; sglang and swa_ext "
+                   "then size the SWA pool from it as SGLang's decode node does (default: no cap, SGLang's ratio)")
+    p.add_argument("--policy", choices=COLUMNS, action="append",
+                   help="run only this column (repeatable; default: all five)")
     p.add_argument("--max-requests", type=_positive_int, default=DEFAULT_MAX_REQUESTS,
                    help=f"replay the first N requests of the trace (default {DEFAULT_MAX_REQUESTS})")
     p.add_argument("--time-scale", type=_bounded_float(MAX_TIME_SCALE, "slows the trace down more than a replay needs"),
@@ -149,7 +153,7 @@ def simulate_main(argv: list[str]) -> int:
     except OutputError as e:
         raise UsageError(str(e)) from None
     started = time.perf_counter()
-    policies = tuple(dict.fromkeys(args.policy)) if args.policy else simulator.POLICIES
+    columns = tuple(dict.fromkeys(args.policy)) if args.policy else simulator.COLUMNS
     try:
         requests = load_trace(args.trace, args.max_requests)
         scenario = simulator.plan_scenario(
@@ -162,25 +166,25 @@ def simulate_main(argv: list[str]) -> int:
             time_scale=args.time_scale,
             reserved_decode_tokens=args.reserved_decode_tokens,
             eviction_interval=args.eviction_interval,
+            max_running_requests=args.max_running_requests,
         )
         # Every column is checked here, before the first run.
-        simulator.plan_runs(scenario, policies, args.swa_ratio)
+        simulator.plan_runs(scenario, columns, args.swa_ratio)
     except (TraceError, simulator.SimulationError) as e:
         raise UsageError(f"{PROG} simulate: error: {e}") from None
     on_run = None if sys.stdout.isatty() else _progress_line
-    results = simulator.run(scenario, policies, swa_ratio=args.swa_ratio, progress=True, on_run=on_run)
-    intervals = simulator.interval_comparison(scenario, results, progress=True, on_run=on_run)
+    results = simulator.run(scenario, columns, swa_ratio=args.swa_ratio, progress=True, on_run=on_run)
     print(simulator.format_table(scenario, results))
-    summary = simulator.format_conclusion(scenario, results, intervals)
+    summary = simulator.format_conclusion(scenario, results)
     if summary:
         print("\n" + summary)
-    if intervals is not None:
+    if simulator.SWA_EXT in results:
         print(f"(what eviction costs per decode step at each interval: {EVICTION_COST_DOC})")
     reports = []
     if args.json:
         def write_json(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(simulator.report(scenario, results, intervals), f, indent=2)
+                json.dump(simulator.report(scenario, results), f, indent=2)
                 f.write("\n")
 
         reports.append((args.json, write_json))

@@ -53,3 +53,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+# The groups of tests a run may skip, each by a fragment of its skip reason: what they are
+# and the command that runs them. A reason of no group is shown as it is.
+SKIPPED_GROUPS = (
+    ("slow: run with --slow", "slow tests (the soak, long property-test budgets, the documented long runs)",
+     "scripts/run-tests.sh --slow"),
+    ("no CUDA kernels", "CUDA tests (this build has no CUDA kernels)",
+     "scripts/device-check.sh on a machine with a GPU"),
+    ("no GPU on this machine", "CUDA tests (no GPU here)", "scripts/device-check.sh on a machine with a GPU"),
+    ("a GPU-only check", "GPU-only checks", "scripts/device-check.sh on a machine with a GPU"),
+    ("sglang is not importable", "tests/sglang (SGLang's engine, PD node and pair, the eviction hook)",
+     "scripts/setup-sglang.sh, then scripts/run-tests.sh"),
+    ("the pair needs Mooncake's transfer engine", "the prefill/decode pair (Mooncake's engine, SGLang's router)",
+     "scripts/setup-sglang.sh, then scripts/run-tests.sh"),
+)
+
+
+def skipped_group(reason: str) -> tuple[str, str | None]:
+    """(what was skipped, the command that runs it or None) for a skip reason."""
+    for fragment, what, command in SKIPPED_GROUPS:
+        if fragment in reason:
+            return what, command
+    return reason, None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per group of skipped tests, with the command that runs them, in place of
+    pytest's per-test list (-rs still gives that)."""
+    from collections import Counter
+
+    groups = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        groups[skipped_group(reason.removeprefix("Skipped: "))] += 1
+    for (what, command), count in groups.items():
+        terminalreporter.write_line(f"not run: {count} {what}" + (f": {command}" if command else ""))

@@ -15,20 +15,21 @@ from swa_ext import cli, simulator
 
 DATA = Path(__file__).with_name("data")
 SMALL = ["--trace", str(DATA / "azure_small.csv"), "--page-size", "16", "--kv-memory-gib", "2"]
-COLUMNS = ["full", "evict", "evict@0.8", "tail", "tail@0.8"]
+COLUMNS = ["full", "evict", "tail", "sglang", "swa_ext"]
 
 
 def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     assert cli.main(["simulate", *SMALL, "--json", str(out_json), "--plot", str(out_png)]) == 0
     table = capsys.readouterr().out
-    # The files written, named last; the conclusion and the interval line before them.
+    # The files written, named last; the conclusion before them.
     assert table.splitlines()[-2:] == [f"wrote {out_json}", f"wrote {out_png}"]
-    assert "\nconclusion: " in table and "In SGLang: --swa-full-tokens-ratio " in table
-    assert "eviction interval 1 instead of 128" in table and cli.EVICTION_COST_DOC in table
-    # Without a terminal, one progress line per run (the sweeps' and the interval's included).
+    assert "\nconclusion: swa_ext (tail, SWA ratio " in table and cli.EVICTION_COST_DOC in table
+    assert "In SGLang: SWA_EXT_SGLANG=1 SGLANG_SWA_EVICTION_INTERVAL=1 with --swa-full-tokens-ratio " in table
+    assert "\ntransfer: tail " in table and "\nagainst full (no SWA support): swa_ext runs " in table
+    # Without a terminal, one progress line per run (the sweeps' included).
     runs = [line for line in table.splitlines() if line.startswith("run ")]
-    assert len(runs) >= 7 and any(line.startswith("run tail interval 1 at") for line in runs)
+    assert len(runs) >= 7 and any(line.startswith("run sglang at SWA ratio 0.8:") for line in runs)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png"]
     header = next(line for line in table.splitlines() if line.split() == COLUMNS)
     rows = table.splitlines()[table.splitlines().index(header) + 1:][: len(simulator.PolicyResult.SUMMARY_KEYS)]
@@ -38,15 +39,16 @@ def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
     assert report["swa_ext_version"] == swa_ext.__version__
     assert report["model"]["window"] == 128 and report["model"]["swa_bytes_per_token"] > 0
     assert "null" in report["rows"]["swa_ratio_sweep"] and "seconds" in report["rows"]["queue_wait_p50_s"]
-    assert report["conclusion"]["best"] in ("evict", "tail")
-    assert report["eviction_interval_comparison"]["intervals"]["1"]["swa_tokens_per_request"] == 128 + 1 + 16 + 16
+    assert report["conclusion"]["swa_ext_vs_sglang"]["sglang"]["swa_ratio"] == 0.8
+    assert report["conclusion"]["transfer"]["whole_prompt_column"] == "full"
     assert report["config"]["trace"] == str(DATA / "azure_small.csv")
-    assert report["config"]["swa_ratio"]["evict@0.8"] == report["config"]["swa_ratio"]["tail@0.8"] == 0.8
+    assert report["config"]["swa_ratio"]["sglang"] == 0.8
     assert list(report["policies"]) == COLUMNS
     for label, metrics in report["policies"].items():
         assert metrics["completed"] + metrics["rejected"] == 48
         assert metrics["swa_ratio"] == report["config"]["swa_ratio"][label]
-        assert ("swa_ratio_sweep" in metrics) == (label in ("evict", "tail"))
+        assert ("swa_ratio_sweep" in metrics) == (label in ("evict", "tail", "swa_ext"))
+        assert metrics["eviction_interval"] == (1 if label == "swa_ext" else 128)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -59,6 +61,20 @@ def test_simulate_pinned_ratio_one_policy(tmp_path):
     assert list(report["policies"]) == ["tail"] and report["policies"]["tail"]["completed"] == 10
     assert report["config"]["swa_ratio"] == {"tail": 0.3}
     assert report["config"]["reserved_decode_tokens"] == 0
+
+
+def test_simulate_with_a_running_request_cap(tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    args = ["simulate", *SMALL, "--policy", "sglang", "--policy", "swa_ext", "--max-running-requests", "8",
+            "--json", str(out_json)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "at most 8 running requests" in out and "SWA pool from --max-running-requests 8" in out
+    assert "In SGLang: SWA_EXT_SGLANG=1 SGLANG_SWA_EVICTION_INTERVAL=1 with --max-running-requests 8." in out
+    report = json.loads(out_json.read_text())
+    assert report["config"]["max_running_requests"] == 8 and list(report["policies"]) == ["sglang", "swa_ext"]
+    assert all(m["max_running"] <= 8 for m in report["policies"].values())
+    assert report["conclusion"]["swa_ext_vs_sglang"]["from_ratio"] == 0.0
 
 
 def test_spreadsheet_csv_is_read(tmp_path, capsys):
@@ -80,7 +96,7 @@ BAD_SIMULATE_ARGS = [
     (lambda d: ["--kv-memory-gib", "inf"], "positive finite"),
     (lambda d: ["--kv-memory-gib", "1e6"], "more KV memory than a decode node"),
     (lambda d: ["--kv-memory-gib", "1e30"], "more KV memory than a decode node"),
-    (lambda d: ["--kv-memory-gib", "0.001"], "too small for one request under the 'full' policy"),
+    (lambda d: ["--kv-memory-gib", "0.001"], "too small for one request in the 'full' column"),
     (lambda d: ["--time-scale", "inf"], "positive finite"),
     (lambda d: ["--time-scale", "1e30"], "at most 1000"),
     (lambda d: ["--step-ms", "inf"], "positive finite"),
@@ -94,7 +110,9 @@ BAD_SIMULATE_ARGS = [
     (lambda d: ["--json", str(d)], "is a directory"),
     (lambda d: ["--json", str(d / "no" / "r.json")], "no directory"),
     (lambda d: ["--json", ""], "empty path"),
-    (lambda d: ["--swa-ratio", "1e-9"], "'evict' policy"),
+    (lambda d: ["--swa-ratio", "1e-9"], "'evict' column"),
+    (lambda d: ["--max-running-requests", "0"], "positive integer"),
+    (lambda d: ["--max-running-requests", "1000000", "--policy", "sglang"], "leaves the 'sglang' column no full pool"),
     (lambda d: ["--swa-ratio", "1.5"], "(0, 1]"),
     (lambda d: ["--trace", ""], "trace path is empty"),
     (lambda d: ["--trace", str(d / "absent.csv")], "no such trace"),

@@ -6,6 +6,7 @@ stripped before a text is judged.
 """
 import inspect
 import pydoc
+from pathlib import Path
 import re
 
 import pytest
@@ -107,3 +108,37 @@ def test_decode_functions_are_documented(name):
     obj = getattr(decode, name)
     words = re.findall(r"[A-Za-z_]\w*", obj.__doc__ or "")
     assert len(words) >= MIN_WORDS, name
+
+
+@pytest.mark.parametrize("cls", [swa_ext.SWATokenToKVPoolAllocator, swa_ext.PagedTokenToKVPoolAllocator,
+                                 swa_ext.TokenToKVPoolAllocator])
+def test_help_on_the_constructor_is_its_own(cls):
+    """help(cls.__init__) shows the Python signature, with dtype, and not the native
+    one underneath (which has no dtype)."""
+    text = pydoc.render_doc(cls.__init__, renderer=pydoc.plaintext)
+    assert "swa_ext._C" not in text and "dtype" in text.split("\n\n", 1)[1]
+
+
+def test_size_is_explained_as_the_smaller_pool():
+    assert "min(size_full, size_swa)" in inspect.getdoc(swa_ext.SWATokenToKVPoolAllocator.__init__)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+# A reference to a README section, as a text would write it: README, "CUDA" or README: "CUDA".
+README_SECTION = re.compile(r'README[,:]? \\?"([^"\\]+)\\?"')
+
+
+def test_texts_point_at_sections_and_pages_that_exist():
+    """Docstrings and comments that send the reader to a README section or a doc page name
+    one that exists (the CUDA notes moved from a README section to docs/cuda.md)."""
+    headings = {line.lstrip("#").strip() for line in (ROOT / "README.md").read_text().splitlines()
+                if line.startswith("#")}
+    texts = [*ROOT.glob("swa_ext/**/*.py"), *ROOT.glob("bench/**/*.py"), *ROOT.glob("csrc/**/*.h"),
+             *ROOT.glob("csrc/**/*.cpp")]
+    assert ROOT / "csrc/torch/docstrings.h" in texts
+    for path in texts:
+        text = path.read_text(encoding="utf-8")
+        for section in README_SECTION.findall(text):
+            assert section in headings, f"{path.relative_to(ROOT)} names README section {section!r}, which is not one"
+        for page in re.findall(r"\bdocs/[\w.-]+\.md\b", text):
+            assert (ROOT / page).is_file(), f"{path.relative_to(ROOT)} names {page}, which does not exist"

@@ -211,7 +211,7 @@ def test_sweep_keeps_the_best_ratio():
                              time_scale=0.05)
     ratios = (0.01, 0.05, 0.2, 1.0)
     results = simulator.run(scenario, ("tail",), sweep=ratios)
-    assert list(results) == ["tail", "tail@0.8"]
+    assert list(results) == ["tail"]
     best = results["tail"]
     assert [p["swa_ratio"] for p in best.sweep] == list(ratios)
     every = [simulate(scenario, "tail", r) for r in ratios]
@@ -222,20 +222,25 @@ def test_sweep_keeps_the_best_ratio():
             assert point["capacity_bound"] < best.mean_running
         else:
             assert point["mean_running"] == full_run.mean_running
-    assert results["tail@0.8"].swa_ratio == simulator.SGLANG_DEFAULT_SWA_RATIO
 
 
 def test_planned_columns():
     scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=16, kv_memory_gib=2.0)
-    swept = simulator.plan_runs(scenario)
-    assert [r.label for r in swept] == ["full", "evict", "evict@0.8", "tail", "tail@0.8"]
-    assert swept[0].ratios == (1.0,) and swept[1].ratios == simulator.SWA_RATIO_SWEEP
-    pinned = simulator.plan_runs(scenario, swa_ratio=0.3)
-    assert [(r.label, r.ratios) for r in pinned] == [("full", (1.0,)), ("evict", (0.3,)), ("tail", (0.3,))]
-    # A pinned ratio that leaves the SWA pool no room names the policy it starves.
-    with pytest.raises(simulator.SimulationError, match="'evict' policy"):
+    def columns(runs):
+        return [(r.label, r.policy, tuple(c.swa_ratio for c in r.configs), {c.eviction_interval for c in r.configs})
+                for r in runs]
+
+    sweep = simulator.SWA_RATIO_SWEEP
+    assert columns(simulator.plan_runs(scenario)) == [
+        ("full", "full", (1.0,), {128}), ("evict", "evict", sweep, {128}), ("tail", "tail", sweep, {128}),
+        ("sglang", "tail", (0.8,), {128}), ("swa_ext", "tail", sweep, {1})]
+    assert columns(simulator.plan_runs(scenario, swa_ratio=0.3)) == [
+        ("full", "full", (1.0,), {128}), ("evict", "evict", (0.3,), {128}), ("tail", "tail", (0.3,), {128}),
+        ("sglang", "tail", (0.8,), {128}), ("swa_ext", "tail", (0.3,), {1})]
+    # A pinned ratio that leaves the SWA pool no room names the column it starves.
+    with pytest.raises(simulator.SimulationError, match="'evict' column"):
         simulator.plan_runs(scenario, swa_ratio=1e-9)
-    with pytest.raises(simulator.SimulationError, match="'tail' policy"):
+    with pytest.raises(simulator.SimulationError, match="'tail' column"):
         simulator.plan_runs(scenario, ("full", "tail"), swa_ratio=1e-9)
 
 
@@ -246,9 +251,8 @@ def test_same_memory_for_every_policy():
     for policy in POLICIES:
         config = policy_config(scenario, policy, 0.3)
         used = config.size_full * cfg.full_bytes_per_token + config.size_swa * cfg.swa_bytes_per_token
-        # The same budget, less rounding to whole pages and the padding pages
-        # (under four pages of each pool).
-        assert budget - 4 * 64 * (cfg.full_bytes_per_token + cfg.swa_bytes_per_token) < used <= budget
+        # The same budget, less rounding to whole pages (under two pages of each pool).
+        assert budget - 2 * 64 * (cfg.full_bytes_per_token + cfg.swa_bytes_per_token) < used <= budget
         if policy == "full":
             assert config.size_full == config.size_swa and config.swa_ratio == 1.0
         else:
@@ -273,7 +277,7 @@ def test_skips_are_counted_and_shared():
 
 def test_budget_too_small_for_one_request():
     scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), kv_memory_gib=0.001)
-    with pytest.raises(simulator.SimulationError, match="too small for one request under the 'full' policy"):
+    with pytest.raises(simulator.SimulationError, match="too small for one request in the 'full' column"):
         simulator.plan_runs(scenario)
 
 
@@ -290,8 +294,7 @@ def test_report_has_config_and_policies():
                              page_size=16, kv_memory_gib=1.0)
     results = simulator.run(scenario, swa_ratio=0.4)
     report = json.loads(json.dumps(simulator.report(scenario, results)))
-    assert list(report) == ["swa_ext_version", "config", "model", "policies", "rows", "conclusion",
-                            "eviction_interval_comparison"]
+    assert list(report) == ["swa_ext_version", "config", "model", "policies", "rows", "conclusion"]
     assert report["swa_ext_version"] == swa_ext.__version__
     model = get_model("gpt-oss-120b")
     assert report["model"] == {"window": 128, "swa_layers": 18, "full_layers": 18, "kv_heads": 8, "head_dim": 64,
@@ -301,15 +304,17 @@ def test_report_has_config_and_policies():
     # Every metric and the sweep are described.
     assert set(report["rows"]) == {*simulator.PolicyResult.SUMMARY_KEYS, "swa_ratio_sweep"}
     assert all(len(text.split()) >= 3 for text in report["rows"].values())
-    assert report["conclusion"]["sglang_flag"] == "--swa-full-tokens-ratio 0.4"
-    assert report["eviction_interval_comparison"] is None  # not computed here
+    vs = report["conclusion"]["swa_ext_vs_sglang"]
+    assert vs["swa_ext"]["swa_ratio"] == 0.4 and vs["sglang"]["swa_ratio"] == 0.8
+    assert vs["ratio_step"]["column"] == "tail"  # tail is at swa_ext's ratio already
     config = report["config"]
     assert config["model"] == "gpt-oss-120b" and config["trace"] == "mooncake_small.jsonl"
     assert config["page_size"] == 16 and config["kv_memory_gib"] == 1.0
-    assert config["swa_ratio"] == {"full": 1.0, "evict": 0.4, "tail": 0.4}
+    assert config["swa_ratio"] == {"full": 1.0, "evict": 0.4, "tail": 0.4, "sglang": 0.8, "swa_ext": 0.4}
+    assert config["eviction_interval"] == 128 and config["max_running_requests"] is None
     assert config["reserved_decode_tokens"] == simulator.DEFAULT_RESERVED_DECODE_TOKENS
     assert config["requests"] == config["trace_requests"] == 24
-    assert list(report["policies"]) == list(POLICIES)
+    assert list(report["policies"]) == list(simulator.COLUMNS)
     for metrics in report["policies"].values():
         assert list(metrics) == list(simulator.PolicyResult.SUMMARY_KEYS)
 
@@ -323,10 +328,10 @@ def test_table_columns_stay_apart():
     assert results["full"].steps > 10**12
     table = simulator.format_table(scenario, results).splitlines()
     header = table.index("") + 1
-    assert table[header].split() == list(POLICIES)
+    assert table[header].split() == list(simulator.COLUMNS)
     rows = table[header + 1:]
     assert [row.split()[0] for row in rows] == list(simulator.PolicyResult.SUMMARY_KEYS)
-    assert all(len(row.split()) == 1 + len(POLICIES) for row in rows)
+    assert all(len(row.split()) == 1 + len(simulator.COLUMNS) for row in rows)
 
 
 def test_named_models():
@@ -411,37 +416,3 @@ def test_eviction_interval_bounds_the_swa_a_request_holds(interval):
         # More than eviction every step would allow: the interval is modelled.
         assert held > simulator.tail_swa_pages_bound(128, 16, 1)
     assert simulator.tail_swa_pages_bound(128, 16, 1) == 128 // 16 + 2
-
-
-def test_sglang_swa_pool_sizing():
-    """SGLang 0.5.23's compute_swa_request_cap for gpt-oss-20b at page 64: window, interval,
-    a page of padding and a page of decode room per request."""
-    assert simulator.sglang_swa_request_cap(128, 64, 128) == 384
-    assert simulator.sglang_swa_request_cap(128, 64, 1) == 257
-    scenario = plan_scenario(load_trace(AZURE_SMALL), get_model("gpt-oss-20b"), page_size=64, kv_memory_gib=4.0)
-    model = scenario.model
-    for interval in (1, 128):
-        config = simulator.sglang_request_cap_config(scenario, "tail", 10, interval)
-        assert config.size_swa == -(-simulator.sglang_swa_request_cap(128, 64, interval) * 10 // 64) * 64
-        used = config.size_swa * model.swa_bytes_per_token + (config.size_full + 64) * model.full_bytes_per_token
-        assert used <= 4.0 * simulator.GIB < used + 64 * model.full_bytes_per_token
-        result = simulator.simulate_config(scenario, config)
-        assert result.max_running <= 10 and result.completed == len(scenario.requests)
-    with pytest.raises(simulator.SimulationError):
-        simulator.sglang_request_cap_config(scenario, "tail", 10**7, 128)
-
-
-def test_interval_comparison_gives_memory_back():
-    scenario = plan_scenario(load_trace(MOONCAKE_LONG, 40), get_model("gpt-oss-20b"), kv_memory_gib=4.0,
-                             time_scale=0.1)
-    results = simulator.run(scenario, ("full", "tail"), swa_ratio=0.1)
-    seen = []
-    out = simulator.interval_comparison(scenario, results, on_run=lambda *a: seen.append(a[0]))
-    assert seen == ["tail interval 1", "tail interval 128"]
-    one, other = out["intervals"]["1"], out["intervals"]["128"]
-    assert out["max_running_requests"] == results["tail"].max_running
-    assert (one["swa_tokens_per_request"], other["swa_tokens_per_request"]) == (257, 384)
-    assert one["pool_swa_pages"] < other["pool_swa_pages"] and one["pool_full_pages"] > other["pool_full_pages"]
-    assert one["mean_running"] >= other["mean_running"] * 0.99
-    text = simulator.format_conclusion(scenario, results, out)
-    assert "eviction interval 1 instead of 128" in text and "--swa-full-tokens-ratio 0.1" in text

@@ -40,7 +40,7 @@ namespace swa_docs {
   "(with the bytes its tables need) when they cannot be allocated."
 #define SWA_DOC_DEFERRED                                                                               \
   "On a CUDA allocator, checks that need index values run on the GPU: a failure surfaces\n"         \
-  "later as swa_ext.DeferredError (at once with SWA_EXT_DEBUG=1); README, \"CUDA\".\n"
+  "later as swa_ext.DeferredError (at once with SWA_EXT_DEBUG=1); see docs/cuda.md.\n"
 
 // ---------------------------------------------------------------------------- module
 

@@ -1,4 +1,4 @@
-"""swa_ext as SGLang's KV page allocator (README: "Using swa_ext in SGLang").
+"""swa_ext as SGLang's KV page allocator (docs/sglang.md).
 
 The package, one file for each part:
 

@@ -24,6 +24,7 @@ class PolicyResult:
     size_full: int
     size_swa: int
     page_size: int
+    eviction_interval: int
     requests: int
     rejected: int = 0
     completed: int = 0
@@ -49,6 +50,7 @@ class PolicyResult:
     timeline_running: list[int] = field(default_factory=list)
     timeline_full_pages: list[int] = field(default_factory=list)
     timeline_swa_pages: list[int] = field(default_factory=list)
+    timeline_transfer_gib: list[float] = field(default_factory=list)  # transfer_gib so far
     # Final length of every completed request, by trace position.
     completed_lens: dict[int, int] = field(default_factory=dict)
     # The SWA ratios tried for this policy, when it was swept: one summary each.
@@ -56,6 +58,7 @@ class PolicyResult:
 
     SUMMARY_KEYS = (
         "swa_ratio",
+        "eviction_interval",
         "pool_full_pages",
         "pool_swa_pages",
         "rejected",
@@ -164,7 +167,7 @@ class DecodeNode:
         self.window = scenario.model.window
         self.reserve = scenario.reserved_decode_tokens
         # The most SWA tokens a request holds under eviction (page granular).
-        self.swa_span = tail_swa_pages_bound(self.window, ps, scenario.eviction_interval) * ps
+        self.swa_span = tail_swa_pages_bound(self.window, ps, config.eviction_interval) * ps
         self.requests = [r for r in scenario.requests if fits_empty_node(scenario, config, r)]
         # No allocator for a node that rejects every request: its pools may be empty.
         self.allocator = allocator_factory(config.size_full, config.size_swa, ps) if self.requests else None
@@ -190,7 +193,7 @@ class DecodeNode:
         self.target_lens = torch.empty(0, dtype=torch.int64)
 
         self.result = PolicyResult(
-            config.policy, config.swa_ratio, config.size_full, config.size_swa, ps,
+            config.policy, config.swa_ratio, config.size_full, config.size_swa, ps, config.eviction_interval,
             requests=len(scenario.requests), rejected=len(scenario.requests) - n, step_ms=scenario.step_ms,
             capacity_bound=capacity_bound(scenario, config, self.requests),
         )
@@ -324,6 +327,7 @@ class DecodeNode:
         res.timeline_running.append(bs)
         res.timeline_full_pages.append(full_used)
         res.timeline_swa_pages.append(swa_used)
+        res.timeline_transfer_gib.append(res.transfer_gib)
         res.max_running = max(res.max_running, bs)
         res.peak_full_pages = max(res.peak_full_pages, full_used)
         res.peak_swa_pages = max(res.peak_swa_pages, swa_used)
@@ -334,7 +338,7 @@ class DecodeNode:
             with self.watch:
                 self.evicted = self._decode.evict_out_of_window(
                     self.allocator, self.req_to_token, self.rows, self.seq_lens - 1, self.evicted, self.window,
-                    interval=self.scenario.eviction_interval)
+                    interval=self.config.eviction_interval)
 
     def finish(self) -> int:
         """Release the requests that reached their length; how many did."""

@@ -7,11 +7,13 @@ from pathlib import Path
 
 from .node import PolicyResult
 from .runs import conclusion
-from .scenario import GIB, POLICIES, Scenario
+from .scenario import GIB, SGLANG, SWA_EXT, Scenario
 
 # What each row of the table and of the JSON's per-column metrics means.
 ROW_DESCRIPTIONS = {
     "swa_ratio": "SWA pool tokens per full pool token (SGLang's --swa-full-tokens-ratio)",
+    "eviction_interval": "out-of-window SWA KV is freed once this many tokens have left the window "
+                         "(SGLang's SGLANG_SWA_EVICTION_INTERVAL; full never frees it)",
     "pool_full_pages": "pages of the full-attention pool",
     "pool_swa_pages": "pages of the SWA pool",
     "rejected": "requests that cannot run even on an empty node of this column",
@@ -19,7 +21,7 @@ ROW_DESCRIPTIONS = {
     "retractions": "running requests pushed back to the queue when a decode step found no room",
     "retracted_tokens": "tokens those requests held, to be transferred or recomputed again",
     "retracted_gib": "the KV bytes of those tokens, GiB",
-    "transfer_gib": "KV the prefill node sends to this node, GiB, resumed requests included",
+    "transfer_gib": "KV the prefill node sends to this node, GiB, in total over the run, resumed requests included",
     "max_running": "most requests decoding in one step",
     "mean_running": "requests decoding per step, on average over the run",
     "capacity_bound": "the highest mean_running the pools allow: pool pages over the pages a running request "
@@ -41,7 +43,7 @@ SWEEP_NOTE = ("not run: a ratio whose capacity bound is below the best mean_runn
               "cannot win (no run's mean exceeds its bound), so it is skipped")
 
 
-def report(scenario: Scenario, results: dict[str, PolicyResult], intervals: dict | None = None) -> dict:
+def report(scenario: Scenario, results: dict[str, PolicyResult]) -> dict:
     """The JSON report: the swa_ext version, the settings and model facts that tell two
     runs apart, each column's metrics, what each metric means and the conclusion."""
     from swa_ext._version import __version__
@@ -56,6 +58,7 @@ def report(scenario: Scenario, results: dict[str, PolicyResult], intervals: dict
             "kv_memory_gib": scenario.kv_memory_gib,
             "swa_ratio": {label: r.swa_ratio for label, r in results.items()},
             "eviction_interval": scenario.eviction_interval,
+            "max_running_requests": scenario.max_running_requests,
             "time_scale": scenario.time_scale,
             "step_ms": scenario.step_ms,
             "reserved_decode_tokens": scenario.reserved_decode_tokens,
@@ -76,8 +79,7 @@ def report(scenario: Scenario, results: dict[str, PolicyResult], intervals: dict
         },
         "policies": {label: r.summary() for label, r in results.items()},
         "rows": ROW_DESCRIPTIONS,
-        "conclusion": conclusion(results),
-        "eviction_interval_comparison": intervals,
+        "conclusion": conclusion(scenario, results),
     }
 
 
@@ -107,7 +109,10 @@ def format_table(scenario: Scenario, results: dict[str, PolicyResult]) -> str:
         f"trace {scenario.trace}: {len(scenario.requests)} requests replayed "
         f"({scenario.skipped_over_context} over context and {scenario.skipped_no_output} without output skipped); "
         f"step {scenario.step_ms:g} ms, time scale {scenario.time_scale:g}, "
-        f"{scenario.reserved_decode_tokens} reserved decode tokens, eviction interval {scenario.eviction_interval}",
+        f"{scenario.reserved_decode_tokens} reserved decode tokens, eviction interval {scenario.eviction_interval} "
+        f"(swa_ext: 1), "
+        + ("no cap on running requests" if scenario.max_running_requests is None
+           else f"at most {scenario.max_running_requests} running requests"),
     ]
     labels = list(results)
     keys = PolicyResult.SUMMARY_KEYS
@@ -130,83 +135,116 @@ def format_table(scenario: Scenario, results: dict[str, PolicyResult]) -> str:
     return "\n".join(lines)
 
 
-def format_conclusion(scenario: Scenario, results: dict[str, PolicyResult], intervals: dict | None) -> str:
-    """The result in a few lines: the best column against ``full`` and what interval 1 buys."""
+def _every(interval: int) -> str:
+    return "every step" if interval == 1 else f"every {interval} tokens"
+
+
+def _sglang_sizing(scenario: Scenario, r: PolicyResult) -> str:
+    if scenario.max_running_requests is not None:
+        return f"SWA pool from --max-running-requests {scenario.max_running_requests} ({r.pool_swa_pages} pages)"
+    return f"SWA ratio {r.swa_ratio:g}, its fallback"
+
+
+def format_conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> str:
+    """The result in a few lines: swa_ext against SGLang as it ships and where the
+    difference comes from, what window-tail preallocation saves, swa_ext against full."""
+    c = conclusion(scenario, results)
+    if c is None:
+        return ""
     lines = []
-    c = conclusion(results)
-    if c is not None:
-        times = f"{c['concurrency_vs_full']:.2f} times" if c["concurrency_vs_full"] else "against"
-        lines.append(
-            f"conclusion: {c['best']} at SWA ratio {c['swa_ratio']:g} runs {c['mean_running']:.1f} requests at once "
-            f"on average, {times} full's {c['full_mean_running']:.1f}; it receives {c['transfer_gib']:.1f} GiB of KV "
-            f"instead of {c['full_transfer_gib']:.1f} ({c['transfer_saved']:.0%} less), and a request waits "
-            f"{c['queue_wait_p50_s']:.1f} s instead of {c['full_queue_wait_p50_s']:.1f} s (median). "
-            f"In SGLang: {c['sglang_flag']}.")
-    if intervals is not None:
-        if "not_run" in intervals:
-            lines.append(f"eviction interval: not compared ({intervals['not_run']})")
+    if "swa_ext_vs_sglang" in c:
+        v = c["swa_ext_vs_sglang"]
+        x, s = v["swa_ext"], v["sglang"]
+        times = f"{v['concurrency_vs_sglang']:.2f} times" if v["concurrency_vs_sglang"] else "against"
+        more = x["mean_running"] - s["mean_running"]
+        if "ratio_step" in v:
+            step = v["ratio_step"]
+            best = "its best " if results["tail"].sweep else ""
+            split = (f"Of the {more:+.1f}, {v['from_ratio']:+.1f} come from the SWA ratio (tail, SGLang at {best}"
+                     f"ratio {step['swa_ratio']:g}: {step['mean_running']:.1f}) and {v['from_interval']:+.1f} from "
+                     f"evicting every step.")
+            flags = f"--swa-full-tokens-ratio {x['swa_ratio']:g}"
         else:
-            (one, a), (other, b) = intervals["intervals"].items()
-            lines.append(
-                f"eviction interval {one} instead of {other} ({intervals['policy']}, SWA pool sized as SGLang sizes "
-                f"it for {intervals['max_running_requests']} running requests): {a['swa_tokens_per_request']} "
-                f"instead of {b['swa_tokens_per_request']} SWA tokens a request ({a['swa_pages_per_request']:.2f} "
-                f"instead of {b['swa_pages_per_request']:.2f} pages), a full pool of {a['pool_full_pages']} instead of "
-                f"{b['pool_full_pages']} pages, mean_running {a['mean_running']:.1f} instead of "
-                f"{b['mean_running']:.1f}, median wait {a['queue_wait_p50_s']:.1f} s instead of "
-                f"{b['queue_wait_p50_s']:.1f} s.")
+            split = (f"All {more:+.1f} come from evicting every step: SGLang sizes the SWA pool for "
+                     f"{v['max_running_requests']} running requests at {x['pool_swa_pages']} pages instead of "
+                     f"{s['pool_swa_pages']} and gives the rest to the full pool ({x['pool_full_pages']} pages "
+                     f"instead of {s['pool_full_pages']}).")
+            flags = f"--max-running-requests {v['max_running_requests']}"
+        lines.append(
+            f"conclusion: swa_ext (tail, SWA ratio {x['swa_ratio']:.3g}, eviction {_every(x['eviction_interval'])}) "
+            f"runs {x['mean_running']:.1f} requests at once on average, {times} sglang's {s['mean_running']:.1f} "
+            f"(SGLang 0.5.23 as it ships: tail, {_sglang_sizing(scenario, results[SGLANG])}, eviction "
+            f"{_every(s['eviction_interval'])}), and a request waits {x['queue_wait_p50_s']:.1f} s instead of "
+            f"{s['queue_wait_p50_s']:.1f} s (median). {split} In SGLang: SWA_EXT_SGLANG=1 "
+            f"SGLANG_SWA_EVICTION_INTERVAL=1 with {flags}.")
+    if "transfer" in c:
+        t = c["transfer"]
+        lines.append(
+            f"transfer: tail (SWA KV for the window tail only, as sglang and swa_ext preallocate) receives "
+            f"{t['tail_transfer_gib']:.1f} GiB of KV in total over the {t['requests']} requests instead of "
+            f"{t['whole_prompt_transfer_gib']:.1f} GiB for whole prompts ({t['whole_prompt_column']}): "
+            f"{t['transfer_saved']:.0%} less.")
+    if "swa_ext_vs_full" in c:
+        f, x = c["swa_ext_vs_full"], results[SWA_EXT]
+        times = f"{f['concurrency_vs_full']:.2f} times" if f["concurrency_vs_full"] else "against"
+        lines.append(
+            f"against full (no SWA support): swa_ext runs {times} full's {f['full_mean_running']:.1f} requests at "
+            f"once, with a median wait of {x.queue_wait_p50_s:.1f} s instead of {f['full_queue_wait_p50_s']:.1f} s.")
     return "\n".join(lines)
 
 
+# Each column its colour and dash; the wider a line, the lower it is drawn, so a column
+# that runs like another (evict like tail on short prompts) shows as a band around it.
+_STYLES = {"full": ("tab:gray", "-", 1.0), "evict": ("tab:orange", "-", 4.0), "tail": ("tab:blue", "-", 1.2),
+           SGLANG: ("tab:red", (0, (4, 2)), 1.2), SWA_EXT: ("tab:green", "-", 1.6)}
+_OTHER_STYLE = ("tab:purple", (0, (1, 1)), 1.2)
+
+
 def plot(scenario: Scenario, results: dict[str, PolicyResult], path: str) -> None:
-    """Running requests (with each policy's mean and capacity bound), the full pool in
-    use (GiB) and each SWA pool's use as a share of its size, over simulated time, for
-    the columns without a pinned default ratio. The format follows ``path``'s suffix."""
+    """Four panels over simulated time, one line per column: running requests (each
+    column's bound of the mean dotted in its colour), the full pool in use (GiB), each
+    SWA pool's use as a share of its size, and the KV received so far (GiB), where
+    window-tail preallocation's saving shows. Legends stand beside the panels, outside
+    the data. The format follows ``path``'s suffix."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
 
     ps = scenario.page_size
     full_page_gib = scenario.model.full_bytes_per_token * ps / GIB
     swa_page_gib = scenario.model.swa_bytes_per_token * ps / GIB
-    shown = {label: r for label, r in results.items() if label in POLICIES}
-    # Each policy its own colour and dash, and evict drawn above tail, so neither hides the other.
-    styles = {"full": ("tab:gray", "-", 2), "tail": ("tab:blue", "-", 2), "evict": ("tab:orange", (0, (3, 3)), 3)}
-    fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
-    for label, r in shown.items():
-        color, dash, z = styles[label]
-        style = {"color": color, "ls": dash, "lw": 1.0, "zorder": z}
+    fig, axes = plt.subplots(4, 1, figsize=(12, 12), sharex=True)
+    for label, r in results.items():
+        color, dash, width = _STYLES.get(label, _OTHER_STYLE)
+        style = {"color": color, "ls": dash, "lw": width, "alpha": 0.45 if width > 2 else 1.0,
+                 "zorder": 10 - width}
         t = [s * scenario.step_ms / 1000.0 for s in r.timeline_step]
-        axes[0].plot(t, r.timeline_running, label=f"{label} (SWA ratio {r.swa_ratio:g}, mean {r.mean_running:.0f})",
+        axes[0].plot(t, r.timeline_running, label=f"{label} (ratio {r.swa_ratio:.3g}, mean {r.mean_running:.0f})",
                      **style)
-        axes[0].axhline(r.capacity_bound, color=color, ls=":", lw=1.2)
-        axes[1].plot(t, [p * full_page_gib for p in r.timeline_full_pages], **style)
-        axes[1].axhline(r.pool_full_pages * full_page_gib, color=color, ls=":", lw=0.8)
+        axes[0].axhline(r.capacity_bound, color=color, ls=":", lw=1.2,
+                        label=f"{label}: bound of the mean {r.capacity_bound:.0f}")
+        axes[1].plot(t, [p * full_page_gib for p in r.timeline_full_pages],
+                     label=f"{label}: pool {r.pool_full_pages * full_page_gib:.1f} GiB", **style)
         pool = max(r.pool_swa_pages, 1)
         axes[2].plot(t, [100.0 * p / pool for p in r.timeline_swa_pages],
                      label=f"{label}: pool {r.pool_swa_pages * swa_page_gib:.1f} GiB", **style)
-    bound = Line2D([], [], color="black", ls=":", lw=1.2)
-    handles, labels = axes[0].get_legend_handles_labels()
-    axes[0].legend(handles + [bound], labels + ["dotted: bound of the mean (one step may be above it)"],
-                   loc="upper right", fontsize="small")
-    axes[1].legend([Line2D([], [], color="black", ls=":", lw=0.8)], ["dotted: pool size"], loc="upper right",
-                   fontsize="small")
-    axes[2].legend(loc="upper right", fontsize="small")
-    axes[0].set_ylabel("running requests")
+        axes[3].plot(t, r.timeline_transfer_gib, label=f"{label}: {r.transfer_gib:.1f} GiB in total", **style)
+    axes[0].set_ylabel("running requests\n(dotted: bound of the mean;\none step may be above it)")
     axes[1].set_ylabel("full pool in use (GiB)")
-    axes[2].set_ylabel("SWA pool in use\n(% of each policy's pool)")
-    axes[2].set_xlabel("simulated time (s)")
-    ratios = ", ".join(f"{label} {r.swa_ratio:g}" for label, r in shown.items())
+    axes[2].set_ylabel("SWA pool in use\n(% of each column's pool)")
+    axes[3].set_ylabel("KV received so far\n(GiB, resumed requests\nincluded)")
+    axes[3].set_xlabel("simulated time (s)")
+    for ax in axes:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0.0)
     title = (f"{scenario.model.name} on {Path(scenario.trace).name}, {len(scenario.requests)} requests, "
-             f"{scenario.kv_memory_gib:g} GiB KV, page {ps}, time scale {scenario.time_scale:g}\nSWA ratio: {ratios}")
-    if _coincide(shown.get("evict"), shown.get("tail")):
-        title += ("\nevict and tail coincide: evict holds a whole prompt on the SWA pool only until its first\n"
-                  "eviction, which these prompts leave room for, so both pick the same ratio and run alike")
+             f"{scenario.kv_memory_gib:g} GiB KV, page {ps}, time scale {scenario.time_scale:g}")
+    if _coincide(results.get("evict"), results.get("tail")):
+        title += ("\nevict (the wide band) runs as tail: it holds a whole prompt on the SWA pool only until its first "
+                  "eviction,\nwhich these prompts leave room for; only the KV received (last panel) tells them apart")
     axes[0].set_title(title, fontsize="medium")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

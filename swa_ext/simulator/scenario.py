@@ -11,6 +11,15 @@ from swa_ext.traces import Request
 
 POLICIES = ("full", "evict", "tail")
 EVICTING = ("evict", "tail")
+# The two nodes the conclusion compares, both ``tail`` (window-tail preallocation, then
+# eviction): SGLang 0.5.23 as it ships (its own pool sizing, its eviction interval) and
+# swa_ext in SGLang (eviction every step, which its hook makes affordable, at the SWA
+# ratio the sweep finds).
+SGLANG = "sglang"
+SWA_EXT = "swa_ext"
+SWA_EXT_EVICTION_INTERVAL = 1
+# The comparison's columns, in the table's order.
+COLUMNS = (*POLICIES, SGLANG, SWA_EXT)
 
 # SGLang's swa_full_tokens_ratio when the server is not told one.
 SGLANG_DEFAULT_SWA_RATIO = 0.8
@@ -52,21 +61,48 @@ def sglang_swa_request_cap(window: int, page_size: int, interval: int) -> int:
     return window + interval + page_size + page_size
 
 
+def sglang_decode_extra_slots(max_running: int) -> int:
+    """SGLang's default ``--disaggregation-decode-extra-slots`` on a decode node: twice a
+    batch of at most 32 requests, for requests still in transfer; none for larger ones."""
+    return 2 * max_running if max_running <= 32 else 0
+
+
+def sglang_swa_pool_tokens(window: int, page_size: int, interval: int, max_running: int) -> int:
+    """The SWA pool SGLang's decode node sizes from ``--max-running-requests``
+    (``compute_swa_request_cap`` in decode mode, page-aligned): the per-request cap
+    for every running request, and a window and a page for each extra slot."""
+    cap = (sglang_swa_request_cap(window, page_size, interval) * max_running
+           + (window + page_size) * sglang_decode_extra_slots(max_running))
+    return _cdiv(cap, page_size) * page_size
+
+
 def pool_sizes(model: ModelConfig, kv_memory_bytes: float, page_size: int, swa_ratio: float) -> tuple[int, int]:
-    """Token sizes (size_full, size_swa) of the two pools that fit the budget when
-    the SWA pool holds ``swa_ratio`` tokens per full pool token (SGLang's
-    ``swa_full_tokens_ratio``). Sizes are whole pages; one page of each pool is the
-    padding page and is not counted."""
-    bytes_per_full_token = model.full_bytes_per_token + swa_ratio * model.swa_bytes_per_token
-    full_pages = int(kv_memory_bytes // (bytes_per_full_token * page_size))
-    swa_pages = int(full_pages * swa_ratio)
-    return max(full_pages - 1, 0) * page_size, max(swa_pages - 1, 0) * page_size
+    """Token sizes (size_full, size_swa) of the two pools as SGLang 0.5.23 splits the
+    KV memory at SWA ratio ``swa_ratio`` (``swa_full_tokens_ratio``;
+    ``HybridSWAPoolConfigurator.calculate_pool_sizes``): full tokens are the memory over
+    the bytes of a full token plus ``swa_ratio`` SWA tokens, the SWA pool that many
+    times the full pool, both in whole pages."""
+    cell_bytes = model.full_bytes_per_token + swa_ratio * model.swa_bytes_per_token
+    size_full = int(kv_memory_bytes // cell_bytes) // page_size * page_size
+    return size_full, int(size_full * swa_ratio) // page_size * page_size
+
+
+def request_cap_pool_sizes(model: ModelConfig, kv_memory_bytes: float, page_size: int, interval: int,
+                           max_running: int) -> tuple[int, int]:
+    """Token sizes (size_full, size_swa) as SGLang 0.5.23's decode node splits the KV
+    memory when ``--max-running-requests`` is set (its radix cache is off there;
+    ``SWARequestCapPoolConfigurator``): the SWA pool from the request cap, the rest of
+    the memory for the full pool, in whole pages."""
+    size_swa = sglang_swa_pool_tokens(model.window, page_size, interval, max_running)
+    rest = kv_memory_bytes - size_swa * model.swa_bytes_per_token
+    return int(rest // model.full_bytes_per_token) // page_size * page_size, size_swa
 
 
 @dataclass(frozen=True)
 class Scenario:
     """What every policy's run shares: the model, the node's KV memory and page
-    size, the step and time scale, the admission reserve and the requests."""
+    size, the step and time scale, the admission reserve, SGLang's eviction interval,
+    the cap on running requests (None: no cap) and the requests."""
 
     model: ModelConfig
     trace: str
@@ -76,6 +112,7 @@ class Scenario:
     time_scale: float
     reserved_decode_tokens: int
     eviction_interval: int
+    max_running_requests: int | None
     requests: list[Request]
     trace_requests: int  # read from the trace
     skipped_over_context: int
@@ -93,6 +130,7 @@ def plan_scenario(
     time_scale: float = 1.0,
     reserved_decode_tokens: int = DEFAULT_RESERVED_DECODE_TOKENS,
     eviction_interval: int = SGLANG_DEFAULT_EVICTION_INTERVAL,
+    max_running_requests: int | None = None,
 ) -> Scenario:
     """Check the settings and keep the requests a node of this model can serve at
     all: prompt plus output within the model's context, at least one token to
@@ -106,6 +144,8 @@ def plan_scenario(
         raise SimulationError(f"reserved decode tokens must be >= 0, got {reserved_decode_tokens}")
     if eviction_interval < 1:
         raise SimulationError(f"eviction interval must be >= 1, got {eviction_interval}")
+    if max_running_requests is not None and max_running_requests < 1:
+        raise SimulationError(f"max running requests must be >= 1, got {max_running_requests}")
     in_context = [r for r in requests if r.prompt_len + r.output_len <= model.context_len]
     with_output = [r for r in in_context if r.output_len > 0]
     if not with_output:
@@ -119,6 +159,7 @@ def plan_scenario(
         time_scale=time_scale,
         reserved_decode_tokens=reserved_decode_tokens,
         eviction_interval=eviction_interval,
+        max_running_requests=max_running_requests,
         requests=with_output,
         trace_requests=len(requests),
         skipped_over_context=len(requests) - len(in_context),
@@ -128,45 +169,55 @@ def plan_scenario(
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """One policy's node: its SWA ratio, the pool sizes (tokens) it gives and, when
-    the node is sized from it, SGLang's ``--max-running-requests``."""
+    """One column's node: its policy, SWA ratio, the pool sizes (tokens) it gives, its
+    eviction interval and the cap on running requests (None: no cap)."""
 
     policy: str
     swa_ratio: float
     size_full: int
     size_swa: int
+    eviction_interval: int
     max_running: int | None = None
 
 
-def policy_config(scenario: Scenario, policy: str, swa_ratio: float) -> PolicyConfig:
-    """``full`` always gets ratio 1: its SWA pool holds the same tokens as its full
-    pool, so any other ratio would leave memory unused."""
+def _checked(scenario: Scenario, label: str, config: PolicyConfig) -> PolicyConfig:
+    if config.size_full > MAX_POOL_TOKENS:
+        raise SimulationError(
+            f"{scenario.kv_memory_gib:g} GiB of KV memory gives the {label!r} column a full pool of "
+            f"{config.size_full} tokens, more than the {MAX_POOL_TOKENS} int32 slot ids of req_to_token")
+    return config
+
+
+def policy_config(scenario: Scenario, policy: str, swa_ratio: float, interval: int | None = None) -> PolicyConfig:
+    """A policy's node at an SWA ratio, evicting at ``interval`` (default: the
+    scenario's). ``full`` always gets ratio 1: its SWA pool holds the same tokens as its
+    full pool, so any other ratio would leave memory unused."""
     if policy not in POLICIES:
         raise SimulationError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     ratio = 1.0 if policy == "full" else swa_ratio
     size_full, size_swa = pool_sizes(scenario.model, scenario.kv_memory_gib * GIB, scenario.page_size, ratio)
-    if size_full > MAX_POOL_TOKENS:
-        raise SimulationError(
-            f"{scenario.kv_memory_gib:g} GiB of KV memory gives the {policy!r} policy a full pool of "
-            f"{size_full} tokens, more than the {MAX_POOL_TOKENS} int32 slot ids of req_to_token"
-        )
-    return PolicyConfig(policy, ratio, size_full, size_swa)
+    interval = scenario.eviction_interval if interval is None else interval
+    return _checked(scenario, policy, PolicyConfig(policy, ratio, size_full, size_swa, interval,
+                                                   scenario.max_running_requests))
 
 
-def sglang_request_cap_config(scenario: Scenario, policy: str, max_running: int, interval: int) -> PolicyConfig:
-    """The node SGLang configures for ``max_running`` requests with radix cache off
-    (its request-cap pool configurator): an SWA pool of ``sglang_swa_request_cap``
-    tokens per request, in whole pages, and the rest of the KV memory for the full pool."""
-    ps, model = scenario.page_size, scenario.model
-    size_swa = _cdiv(sglang_swa_request_cap(model.window, ps, interval) * max_running, ps) * ps
-    rest = scenario.kv_memory_gib * GIB - size_swa * model.swa_bytes_per_token
-    full_pages = int(rest // (model.full_bytes_per_token * ps)) - 1  # less the padding page
-    if full_pages <= 0:
+def sglang_config(scenario: Scenario, interval: int | None = None, label: str = SGLANG) -> PolicyConfig:
+    """The ``tail`` node SGLang 0.5.23 configures itself, evicting at ``interval``
+    (default: the scenario's): with ``--max-running-requests`` its decode node (radix
+    cache off) sizes the SWA pool from the request cap; without, it splits the memory at
+    its fallback SWA ratio 0.8."""
+    interval = scenario.eviction_interval if interval is None else interval
+    max_running = scenario.max_running_requests
+    if max_running is None:
+        return policy_config(scenario, "tail", SGLANG_DEFAULT_SWA_RATIO, interval)
+    size_full, size_swa = request_cap_pool_sizes(scenario.model, scenario.kv_memory_gib * GIB, scenario.page_size,
+                                                 interval, max_running)
+    if size_full <= 0:
         raise SimulationError(
-            f"{scenario.kv_memory_gib:g} GiB of KV memory cannot hold SGLang's SWA pool for {max_running} "
-            f"requests at eviction interval {interval}")
-    size_full = min(full_pages * ps, MAX_POOL_TOKENS // ps * ps)
-    return PolicyConfig(policy, size_swa / size_full, size_full, size_swa, max_running)
+            f"{scenario.kv_memory_gib:g} GiB of KV memory leaves the {label!r} column no full pool: SGLang's SWA pool "
+            f"for {max_running} running requests at eviction interval {interval} takes it all")
+    ratio = size_swa / size_full
+    return _checked(scenario, label, PolicyConfig("tail", ratio, size_full, size_swa, interval, max_running))
 
 
 def _pages_needed(policy: str, total_len: int, window: int, page_size: int, interval: int) -> tuple[int, int]:
@@ -180,7 +231,7 @@ def _pages_needed(policy: str, total_len: int, window: int, page_size: int, inte
 def fits_empty_node(scenario: Scenario, config: PolicyConfig, request: Request) -> bool:
     ps = scenario.page_size
     full, swa = _pages_needed(config.policy, request.prompt_len + request.output_len, scenario.model.window, ps,
-                              scenario.eviction_interval)
+                              config.eviction_interval)
     return full <= config.size_full // ps and swa <= config.size_swa // ps
 
 

@@ -112,7 +112,8 @@ def free_port():
 
 class Process:
     """A child in its own process group with its output in a log file; stop() ends the
-    group (SIGTERM, then SIGKILL after a bounded wait), whatever it started."""
+    group (SIGTERM to the leader, then to the group, then SIGKILL, each after a bounded
+    wait), whatever it started."""
 
     def __init__(self, name, argv, env, log_path):
         self.name, self.log_path = name, log_path
@@ -125,9 +126,12 @@ class Process:
             return f.read()[-tail:] if tail else f.read()
 
     def stop(self, grace=20):
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        # The leader first: SGLang's server then stops its subprocess watchdog and ends its
+        # scheduler itself (a scheduler killed under it is logged as crashed); then the group.
+        steps = ((os.kill, signal.SIGTERM, grace), (os.killpg, signal.SIGTERM, 10), (os.killpg, signal.SIGKILL, 10))
+        for kill, sig, wait in steps:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
+                kill(self.proc.pid, sig)
             try:
                 self.proc.wait(timeout=wait)
                 break

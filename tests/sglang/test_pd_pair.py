@@ -79,6 +79,7 @@ def pair_run(tiny_model):
             with open(pair.lockstep_report) as f:
                 lockstep = json.load(f)
             logs = pair.logs()
+        stopped_logs = pair.logs()  # once the pair is stopped
         start = time.monotonic()
         reference = reference_outputs(reference_process, reference_result)
         walls["reference engine, after the pair"] = time.monotonic() - start
@@ -87,7 +88,7 @@ def pair_run(tiny_model):
     print(f"pair walls {walls}; decode allocator calls {calls} (before the requests {before}); "
           f"lockstep calls {lockstep}; bytes sent {sent}")
     return {"reference": reference, "outputs": outputs, "before": before, "calls": calls, "sent": sent,
-            "lockstep": lockstep, "logs": logs}
+            "lockstep": lockstep, "logs": logs, "stopped_logs": stopped_logs}
 
 
 def test_pair_gives_a_single_engines_outputs(pair_run):
@@ -154,3 +155,10 @@ def test_pair_sends_only_the_window_tail_of_the_swa_layers(pair_run):
     slack = len(PROMPT_LENS) * PAGE_SIZE * (model.full_bytes_per_token + model.swa_bytes_per_token)
     for policy in ("evict", "tail"):
         assert 0 <= measured[policy] - simulated[policy] < slack, (policy, measured, simulated)
+
+
+def test_pair_stops_without_a_crash_line(pair_run):
+    """Stopped, the nodes end their schedulers themselves: no watchdog line calls the
+    scheduler's exit a crash (as when the whole group gets SIGTERM at once)."""
+    for name, log in pair_run["stopped_logs"].items():
+        assert "crashed with exit code" not in log, f"{name}: {log[-3000:]}"
