@@ -143,41 +143,84 @@ PyObject* evicted_entry(const RequestClasses& classes, PyObject* lengths, int64_
   return value;
 }
 
-// reqs: a list or tuple (PySequence_Fast's). It is indexed afresh for each request and
-// each request held while it is read: a length's __index__ or __len__ is Python code that
-// could change the list.
+// A request past its first decode step that holds KV, for the pass that tests it due.
+struct HoldingRequest {
+  int64_t index;
+  PyObject* kv;  // held by the request's fields
+  py::object row, lengths;
+  int64_t pre_len;
+};
+
+// Starts loading a dict's tables (prefetching is a hint: it changes nothing).
+void prefetch_tables(PyObject* dict) {
+  const auto* d = reinterpret_cast<PyDictObject*>(dict);
+  __builtin_prefetch(d->ma_keys);
+  if (d->ma_values != nullptr) __builtin_prefetch(d->ma_values);
+}
+
+// reqs: a list or tuple (PySequence_Fast's). The batch is read in passes, each starting
+// the memory reads the next one needs: a request's objects lie scattered, and after the
+// model's forward pass few of them are in the CPU caches, so passes over independent
+// requests let the misses of several overlap where reading request by request waits for
+// each in turn. The first passes run no Python code (exact types, interned names), so the
+// list cannot change under them; from then on each request's fields are held, as a
+// length's __index__ or __len__ is Python code that could change them.
 void read(const RequestClasses& classes, PyObject* reqs, int64_t window, int64_t interval,
           const swa::PageGeometry& page, DueRequests& due) {
   const auto* req_type = reinterpret_cast<PyTypeObject*>(classes.req_type.ptr());
   const auto* kv_type = reinterpret_cast<PyTypeObject*>(classes.kv_type.ptr());
-  for (int64_t i = 0; i < PySequence_Fast_GET_SIZE(reqs); ++i) {
-    const py::object held = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(reqs, i));
-    PyObject* req = held.ptr();
+  const int64_t n = PySequence_Fast_GET_SIZE(reqs);
+  PyObject* const* items = PySequence_Fast_ITEMS(reqs);
+  for (int64_t i = 0; i < n; ++i) {  // the requests, and the words before each (where CPython keeps its dict)
+    __builtin_prefetch(items[i]);
+    __builtin_prefetch(reinterpret_cast<const char*>(items[i]) - 3 * sizeof(PyObject*));
+  }
+  std::vector<py::object> dicts;  // each request's instance dict
+  dicts.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    PyObject* req = items[i];
     if (Py_TYPE(req) != req_type) throw Refusal{"a request of type " + type_name(req) + ", not SGLang's Req"};
-    const py::object req_dict = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(req, nullptr));
-    if (!req_dict) refuse_on_python_error(i, "__dict__");
-    const RequestFields fields = request_fields(req_dict.ptr(), i);
-    // SGLang's test, in its order: decode_batch_idx >= 1, holds KV, due.
-    if (!past_first_decode(required(fields.decode_batch_idx, i, "decode_batch_idx"), i)) continue;
-    PyObject* kv = required(fields.kv, i, "kv");
+    dicts.push_back(py::reinterpret_steal<py::object>(PyObject_GenericGetDict(req, nullptr)));
+    if (!dicts.back()) refuse_on_python_error(i, "__dict__");
+    prefetch_tables(dicts.back().ptr());
+  }
+  std::vector<RequestFields> fields;  // each request's instance-dict fields
+  fields.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    fields.push_back(request_fields(dicts[static_cast<size_t>(i)].ptr(), i));
+    for (const py::object* next : {&fields.back().kv, &fields.back().origin_input_ids, &fields.back().output_ids})
+      if (*next) __builtin_prefetch(next->ptr());
+  }
+  std::vector<HoldingRequest> holding;  // SGLang's test, in its order: decode_batch_idx >= 1, holds KV
+  holding.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const RequestFields& req = fields[static_cast<size_t>(i)];
+    if (!past_first_decode(required(req.decode_batch_idx, i, "decode_batch_idx"), i)) continue;
+    PyObject* kv = required(req.kv, i, "kv");
     if (Py_TYPE(kv) != kv_type)
       throw Refusal{"a request's KV state of type " + type_name(kv) + ", not SGLang's ReqKvInfo"};
-    const py::object row = kv_field(classes, kv, RequestClasses::kRow, i);
+    py::object row = kv_field(classes, kv, RequestClasses::kRow, i);
     if (row.is_none()) continue;  // holds no KV
-    const int64_t pre_len = seqlen(fields, i) - 1;
+    const int64_t pre_len = seqlen(req, i) - 1;
     py::object lengths = kv_field(classes, kv, RequestClasses::kEvictedLengths, i);
     if (!PyDict_CheckExact(lengths.ptr()))
       throw Refusal{"a request's component_evicted_seqlens of type " + type_name(lengths.ptr()) + ", not a dict"};
-    PyObject* entry = evicted_entry(classes, lengths.ptr(), i);
+    holding.push_back(HoldingRequest{i, kv, std::move(row), std::move(lengths), pre_len});
+  }
+  for (const HoldingRequest& req : holding) prefetch_tables(req.lengths.ptr());
+  for (HoldingRequest& req : holding) {  // last pass: due
+    const int64_t i = req.index;
+    PyObject* entry = evicted_entry(classes, req.lengths.ptr(), i);
     const int64_t evicted = entry == nullptr ? 0 : length(entry, 0, i, "SWA evicted length");
-    if (!swa::window_eviction_due(evicted, pre_len, window, interval)) continue;
-    const int64_t protected_len = length(kv_field(classes, kv, RequestClasses::kProtectedLen, i).ptr(), 0, i,
+    if (!swa::window_eviction_due(evicted, req.pre_len, window, interval)) continue;
+    const int64_t protected_len = length(kv_field(classes, req.kv, RequestClasses::kProtectedLen, i).ptr(), 0, i,
                                          kKvFieldLabels[RequestClasses::kProtectedLen]);
-    const int64_t floor = length(kv_field(classes, kv, RequestClasses::kEvictFloor, i).ptr(), 0, i,
+    const int64_t floor = length(kv_field(classes, req.kv, RequestClasses::kEvictFloor, i).ptr(), 0, i,
                                  kKvFieldLabels[RequestClasses::kEvictFloor]);
     const int64_t dead_lo = swa::swa_dead_lo(protected_len, floor, page);
-    due.push_back(DueRequest{i, length(row.ptr(), 0, i, kKvFieldLabels[RequestClasses::kRow]), pre_len, evicted,
-                             evicted > dead_lo ? evicted : dead_lo, entry != nullptr, std::move(lengths)});
+    due.push_back(DueRequest{i, length(req.row.ptr(), 0, i, kKvFieldLabels[RequestClasses::kRow]), req.pre_len,
+                             evicted, evicted > dead_lo ? evicted : dead_lo, entry != nullptr,
+                             std::move(req.lengths)});
   }
 }
 
