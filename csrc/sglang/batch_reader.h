@@ -1,8 +1,8 @@
 // SGLang's running batch as the scheduler hook (swa_ext/sglang/hooks.py) needs it: the
 // decode branch of ScheduleBatch.maybe_evict_swa reads a handful of lengths from every
 // request's Python objects each step, and reading them here, through the CPython API,
-// costs a few tens of nanoseconds each instead of a Python frame a request. It reads;
-// window_eviction.cpp frees and writes back.
+// costs a few tens of nanoseconds each instead of a Python frame a request. It reads the
+// requests and writes their evicted lengths back; window_eviction.cpp frees.
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -2,7 +2,6 @@
 // whole batch, as swa_ext/sglang/hooks.py calls it every decode step. The batch is read
 // by batch_reader.cpp; the allocator is called through the core's public API, under the
 // binding layer's guard (../torch/extension_modules.h).
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -47,7 +46,7 @@ class WindowEviction {
   py::object evict(const py::object& allocator, const py::object& reqs, const py::object& req_to_token,
                    int64_t window, int64_t interval, bool prefix_sharing, bool free_group,
                    const py::object& record) const {
-    const swa_bindings::HybridRef alloc = allocator_ref(allocator);
+    const swa_bindings::HybridRef alloc("allocator", allocator);
     // A request's lengths may be anything below 2**62 here (the reader refuses the rest),
     // so these are bounded too: then the due test cannot overflow.
     for (const auto& [arg, value] : {std::pair<const char*, int64_t>{"window", window}, {"interval", interval}})
@@ -92,17 +91,6 @@ class WindowEviction {
   }
 
  private:
-  // The allocator of a _C.HybridAllocator; the last one resolved is kept with its object
-  // (a scheduler evicts with one allocator), held so that no other object takes its identity.
-  swa_bindings::HybridRef allocator_ref(const py::object& allocator) const {
-    if (!last_allocator_.is(allocator)) {
-      const swa_bindings::HybridRef ref("allocator", allocator);  // raises before anything is kept
-      last_ref_ = ref;
-      last_allocator_ = allocator;
-    }
-    return *last_ref_;
-  }
-
   // The frees, inside the allocator's guard; "" or why the allocator refused them
   // (before any change).
   static std::string free_out_of_window(swa::HybridAllocator& a, const swa::SlotRows& table,
@@ -130,8 +118,6 @@ class WindowEviction {
   }
 
   const swa_sglang::RequestClasses classes_;
-  mutable py::object last_allocator_;
-  mutable std::optional<swa_bindings::HybridRef> last_ref_;
 };
 
 void define(py::module_& m) {
