@@ -22,14 +22,16 @@ import torch
 import swa_ext
 
 
-def calls_to_raise(kind, page_size, kernels, busy_ms, max_calls):
-    """(calls after the bad free until DeferredError or None, padding slots handed out, seconds)."""
+def calls_to_raise(kind, page_size, kernels, busy_ms=0.0, max_calls=200, need_sort=False):
+    """(calls after the bad free until DeferredError or None, its message, padding slots handed
+    out, seconds). tests/test_misuse.py holds the emulated device to its bound with it."""
     dev = "cuda" if kernels == "cuda" else "cpu"
     if kind == "paged":
-        alloc = swa_ext.PagedTokenToKVPoolAllocator(64 * page_size, page_size, torch.bfloat16, dev, kernels=kernels)
+        alloc = swa_ext.PagedTokenToKVPoolAllocator(64 * page_size, page_size, torch.bfloat16, dev,
+                                                    need_sort=need_sort, kernels=kernels)
     else:
         alloc = swa_ext.SWATokenToKVPoolAllocator(64 * page_size, 32 * page_size, page_size, torch.bfloat16, dev,
-                                                  kernels=kernels)
+                                                  need_sort=need_sort, kernels=kernels)
     live = [alloc.alloc(page_size) for _ in range(4)]
     twice = alloc.alloc(2 * page_size)
     alloc.free(twice)
@@ -40,7 +42,7 @@ def calls_to_raise(kind, page_size, kernels, busy_ms, max_calls):
     start = time.perf_counter()
     alloc.free(twice)  # the bad call
     handed = []  # read after the loop: reading a device tensor would wait for the device
-    raised_at = None
+    raised_at, message = None, None
     for call in range(1, max_calls + 1):
         try:
             if call % 2:
@@ -50,12 +52,12 @@ def calls_to_raise(kind, page_size, kernels, busy_ms, max_calls):
                     live.append(out)
             elif live:
                 alloc.free(live.pop(0))
-        except swa_ext.DeferredError:
-            raised_at = call
+        except swa_ext.DeferredError as e:
+            raised_at, message = call, str(e)
             break
     seconds = time.perf_counter() - start
     padding = sum(out.cpu().tolist().count(0) for out in handed)
-    return raised_at, padding, seconds
+    return raised_at, message, padding, seconds
 
 
 def main(argv=None):
@@ -69,7 +71,7 @@ def main(argv=None):
     for load, busy_ms in loads:
         for kind in ("paged", "hybrid"):
             for ps in (1, 16):
-                calls, padding, seconds = calls_to_raise(kind, ps, args.kernels, busy_ms, args.max_calls)
+                calls, _, padding, seconds = calls_to_raise(kind, ps, args.kernels, busy_ms, args.max_calls)
                 label = f"{args.kernels} {load} {kind} ps={ps}"
                 if calls is None:
                     never.append(label)

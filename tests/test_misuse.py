@@ -34,6 +34,7 @@ import torch
 import swa_ext
 from swa_ext import decode
 from cuda_support import cuda_skip_reason
+from swa_ext_bench.deferred_error_latency import calls_to_raise
 
 WALK_BURSTS = 40
 SLOW_WALK_BURSTS = 600
@@ -78,36 +79,11 @@ def test_a_double_free_raises_within_two_calls_with_at_most_one_padding_slot(kin
     than once (at page size 1 nothing waits for the device, so only the error record's
     watch can tell)."""
     _skip_without_gpu(kernels)
-    dev, ps = _device_for(kernels), page_size
-    if kind == "paged":
-        alloc = swa_ext.PagedTokenToKVPoolAllocator(32 * ps, ps, torch.bfloat16, dev, need_sort=need_sort,
-                                                    kernels=kernels)
-    else:
-        alloc = swa_ext.SWATokenToKVPoolAllocator(32 * ps, 16 * ps, ps, torch.bfloat16, dev, need_sort=need_sort,
-                                                  kernels=kernels)
-    live = [alloc.alloc(ps) for _ in range(4)]
-    twice = alloc.alloc(2 * ps)
-    alloc.free(twice)
-    alloc.free(twice)  # the bad call
-    padding = 0
-    for call in range(1, 201):
-        try:
-            if call % 2:
-                out = alloc.alloc(ps)
-                if out is not None:
-                    padding += out.tolist().count(0)
-                    live.append(out)
-            else:
-                alloc.free(live.pop(0))
-        except swa_ext.DeferredError as e:
-            assert "[in free]" in str(e), str(e)
-            break
-    else:
-        pytest.fail(f"no DeferredError in 200 calls after a double free ({padding} padding slots handed out)")
-    assert call <= CALLS_TO_RAISE[kernels], f"DeferredError only at call {call} after the double free"
+    calls, message, padding, _ = calls_to_raise(kind, page_size, kernels, need_sort=need_sort)
+    assert calls is not None, f"no DeferredError in 200 calls after a double free ({padding} padding slots handed out)"
+    assert "[in free]" in message, message
+    assert calls <= CALLS_TO_RAISE[kernels], f"DeferredError only at call {calls} after the double free"
     assert padding <= 1, f"{padding} padding slots handed out before the DeferredError"
-    alloc.clear()
-    assert alloc.available_size() == alloc.size
 
 
 @pytest.mark.parametrize("kernels", ["emulated", "cuda"])
