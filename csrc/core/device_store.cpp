@@ -32,7 +32,12 @@ void DeviceControl::detach(DevicePool* pool) { pools_.erase(std::find(pools_.beg
 
 void DeviceControl::check_usable() {
   if (poisoned_.empty() && !debug_) {  // (debug mode reads the record in every call)
-    executor_->watch_errors(words_);
+    // Only launches with an origin write the record: with none since the last copy, a new
+    // one would be the same (a free group's begin, eviction and end make one or two a step).
+    if (launches_ != watched_launches_) {
+      executor_->watch_errors(words_);
+      watched_launches_ = launches_;
+    }
     const int64_t* record = executor_->landed_errors();
     if (record != nullptr && record[dev::kErrCode] != dev::kNoError) poison(describe(record));
   }

@@ -95,6 +95,7 @@ class DeviceControl {
   std::vector<std::function<void()>> deferred_claims_;
   bool claims_unconfirmed_ = false;  // launched, and their check raised
   int64_t launches_ = 0;
+  int64_t watched_launches_ = 0;  // launches_ when the record's last copy was enqueued
 };
 
 // One pool in device memory; the page pool or the token pool (page size 1).
