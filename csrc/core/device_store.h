@@ -8,7 +8,8 @@
 // Checks that need index values run on the device into an error record. With
 // debug=true (SWA_EXT_DEBUG=1) every call waits for them and a bad call raises before
 // it changes anything, as on the CPU. Otherwise every call first enqueues a copy of the
-// record and reads the copies that have landed, without waiting (and the host reads the
+// record (when an op that can write it ran since the last copy) and reads the copies
+// that have landed, without waiting (and the host reads the
 // record where it waits anyway): a bad call found so raises DeferredError in the next
 // call the device has caught up with, and the allocator refuses every call until clear()
 // or restore_state(). Until the host reads it, the device
