@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import inspect
 
 import numpy
 import pytest
@@ -320,3 +321,154 @@ def test_the_reader_keeps_no_request_alive():
     batch.reqs.clear()
     assert all(r() is None for r in requests)
 
+
+
+# ------------------------------------------------------------------ admitted batches
+
+class Mode(enum.IntEnum):  # SGLang's ForwardMode: an IntEnum whose members the batch holds
+    EXTEND = 1
+    DECODE = 2
+
+
+class Scheduler:
+    """What evict_batch reads of a ScheduleBatch, on a Batch of requests."""
+
+    def __init__(self, batch, mode=Mode.DECODE):
+        self.tree_cache = object()
+        self.token_to_kv_pool_allocator = batch.alloc
+        self.forward_mode = mode
+        self.reqs = batch.reqs
+        self.req_to_token_pool = type("ReqToTokenPool", (), {})()
+        self.req_to_token_pool.req_to_token = batch.req_to_token
+
+
+class Field:  # an SGLang EnvField's flag, read as an attribute
+    def __init__(self):
+        self._set_to_none = False
+
+
+def admit(evict, sched, environ, field, interval=1, sharing=True):
+    evict.admit(sched.tree_cache, sched.token_to_kv_pool_allocator, Mode.DECODE, WINDOW, interval, sharing,
+                [(environ, b"INTERVAL", environ.get(b"INTERVAL")), (environ, b"UNSET", None),
+                 (field, "_set_to_none", field._set_to_none)])
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+@pytest.mark.parametrize("sharing", [True, False])
+def test_an_admitted_batch_is_evicted_as_sglangs_loop_from_the_batch_itself(interval, sharing):
+    ours, theirs = Batch(LENGTHS), Batch(LENGTHS)
+    for batch in (ours, theirs):
+        batch.reqs[0].kv.cache_protected_len = 2 * PS
+        batch.reqs[3].kv.req_pool_idx = None
+    evict, sched, environ, field = reader(), Scheduler(ours), {b"INTERVAL": b"1"}, Field()
+    admit(evict, sched, environ, field, interval, sharing)
+    before = evict.counters()
+    for step in range(Batch.GROWTH):
+        assert evict.evict_batch(sched) is None
+        reference(theirs.alloc, theirs.reqs, theirs.req_to_token, WINDOW, interval, sharing)
+        assert_same(ours.state(), theirs.state())
+        for batch in (ours, theirs):
+            for req in batch.reqs:
+                req.output_ids.append(0)
+    after = evict.counters()
+    assert after["batches"] - before["batches"] == Batch.GROWTH
+    assert 0 < after["freeing_batches"] - before["freeing_batches"] <= after["freed_requests"] - before["freed_requests"]
+    ours.alloc.check_invariants()
+
+
+def _differs(what, sched, environ, field, evict):
+    if what == "no admission":
+        evict.withdraw()
+    elif what == "another tree cache":
+        sched.tree_cache = object()
+    elif what == "another allocator":
+        sched.token_to_kv_pool_allocator = swa_ext.SWATokenToKVPoolAllocator(64, 64, PS, torch.float16, "cpu")
+    elif what == "extend":
+        sched.forward_mode = Mode.EXTEND
+    elif what == "a setting's value":
+        environ[b"INTERVAL"] = "16".encode()  # the same text, another object: read again
+    elif what == "a setting now set":
+        environ[b"UNSET"] = b"0"
+    elif what == "a setting now unset":
+        del environ[b"INTERVAL"]
+    elif what == "an attribute setting":
+        field._set_to_none = True
+
+
+@pytest.mark.parametrize("what", ["no admission", "another tree cache", "another allocator", "extend",
+                                  "a setting's value", "a setting now set", "a setting now unset",
+                                  "an attribute setting"])
+def test_what_the_admission_does_not_cover_comes_back_false_with_nothing_changed(what):
+    batch = Batch(LENGTHS)
+    evict, sched, environ, field = reader(), Scheduler(batch), {b"INTERVAL": "16".encode()}, Field()
+    admit(evict, sched, environ, field)
+    _differs(what, sched, environ, field, evict)
+    before, counted = batch.state(), evict.counters()
+    assert evict.evict_batch(sched) is False
+    assert_same(batch.state(), before)
+    assert evict.counters() == counted
+    if what != "no admission":  # admitted again as it now is, the batch is evicted
+        evict.admit(sched.tree_cache, sched.token_to_kv_pool_allocator, sched.forward_mode, WINDOW, 1, True,
+                    [(environ, b"INTERVAL", environ.get(b"INTERVAL")), (environ, b"UNSET", environ.get(b"UNSET")),
+                     (field, "_set_to_none", field._set_to_none)])
+        # The other allocator never held these requests' slots: it refuses to free them.
+        expected = "the native call refused" if what == "another allocator" else None
+        assert evict.evict_batch(sched) == expected if expected is None else expected in evict.evict_batch(sched)
+
+
+def test_an_admitted_batch_the_reader_refuses_comes_back_as_a_reason_with_nothing_changed():
+    batch = Batch(LENGTHS)
+    evict, sched, environ, field = reader(), Scheduler(batch), {}, Field()
+    admit(evict, sched, environ, field)
+    batch.reqs[2].__class__ = OtherRequest
+    before, counted = batch.state(), evict.counters()
+    assert "OtherRequest, not SGLang's Req" in evict.evict_batch(sched)
+    assert_same(batch.state(), before)
+    assert evict.counters() == counted
+
+
+def test_admit_and_evict_batch_name_what_is_wrong_and_change_nothing():
+    batch = Batch(LENGTHS)
+    evict, sched = reader(), Scheduler(batch)
+    before = batch.state()
+    with pytest.raises(TypeError, match="allocator: expected a HybridAllocator, got str"):
+        evict.admit(sched.tree_cache, "alloc", Mode.DECODE, WINDOW, 1, True, [])
+    with pytest.raises(ValueError, match="window: must be >= 1"):
+        evict.admit(sched.tree_cache, batch.alloc, Mode.DECODE, 0, 1, True, [])
+    with pytest.raises(ValueError, match=r"interval: must be below 2\*\*62"):
+        evict.admit(sched.tree_cache, batch.alloc, Mode.DECODE, WINDOW, 2**62, True, [])
+    for settings in [(), [(1, 2)], [5]]:
+        with pytest.raises(TypeError, match=r"settings: expected a list of \(source, key, value\)"):
+            evict.admit(sched.tree_cache, batch.alloc, Mode.DECODE, WINDOW, 1, True, settings)
+    with pytest.raises(TypeError, match="settings: an attribute's key must be a str"):
+        evict.admit(sched.tree_cache, batch.alloc, Mode.DECODE, WINDOW, 1, True, [(Field(), 3, False)])
+    assert evict.evict_batch(sched) is False  # none of those was admitted
+    with pytest.raises(TypeError, match=r"evict_batch\(\) takes exactly one argument \(0 given\)"):
+        evict.evict_batch()
+    evict.admit(sched.tree_cache, batch.alloc, Mode.DECODE, WINDOW, 1, True, [])
+    with pytest.raises(AttributeError, match="tree_cache"):  # as SGLang's own method would raise
+        evict.evict_batch(object())
+    unmade = _C.sglang.WindowEviction.__new__(_C.sglang.WindowEviction)
+    with pytest.raises(TypeError, match="evict_batch: WindowEviction.__init__ was not called"):
+        unmade.evict_batch(sched)
+    assert_same(batch.state(), before)
+    assert inspect.signature(_C.sglang.WindowEviction.evict_batch) == \
+        inspect.signature(lambda self, batch, /: None)
+
+
+def test_the_admission_keeps_what_it_compares_alive_and_withdraw_lets_it_go():
+    import gc
+    import weakref
+
+    batch = Batch(LENGTHS)
+    evict, sched, field = reader(), Scheduler(batch), Field()
+    tree_cache = type("TreeCache", (), {})()
+    sched.tree_cache = tree_cache
+    evict.admit(tree_cache, batch.alloc, Mode.DECODE, WINDOW, 1, True, [(field, "_set_to_none", False)])
+    seen = weakref.ref(tree_cache)
+    del tree_cache, sched
+    gc.collect()
+    assert seen() is not None  # an object freed and another made at its address would pass the identity test
+    evict.withdraw()
+    gc.collect()
+    assert seen() is None

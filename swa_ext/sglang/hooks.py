@@ -12,8 +12,14 @@ Python frame a request), applies SGLang's due test and
 moved evicted length back as ``set_evicted_seqlen`` writes it.
 
 What no step changes (the allocator's and the tree cache's classes, page sizes and
-windows) is checked once for a scheduler's tree cache and allocator; SGLang's settings
-are read every step, as SGLang's loop reads them, and parsed only when they change.
+windows) is checked once for a scheduler's tree cache and allocator, and SGLang's
+settings are parsed when their variables change. When the checks leave nothing to
+SGLang's loop, the native object admits that scheduler's decode batches: from then on
+``maybe_evict_swa`` is one native call, ``evict_batch(batch)``, which compares the
+batch's tree cache, allocator and forward mode with the admitted ones and each setting's
+variable with the value it was parsed from (identities: a few dict and attribute reads,
+so SGLang's settings are still read every step, as SGLang's loop reads them), and hands
+back to the checks here whatever differs.
 
 What the native call does not cover goes to SGLang's own loop, for the whole batch, with
 one warning for each reason: another allocator, auxiliary windows, a tree cache with its
@@ -52,8 +58,7 @@ _SWA = ComponentType.SWA
 sglang_maybe_evict_swa = schedule_batch.ScheduleBatch.maybe_evict_swa  # SGLang's own, kept to restore and to compare
 _eviction = _C.sglang.WindowEviction(schedule_batch.Req, schedule_batch.ReqKvInfo, _SWA)
 _warned = set()
-# Batches evicted by the native call and by SGLang's loop, in this process (tests, benchmark).
-counts = {"native": 0, "sglang": 0}
+_sglang_batches = 0  # decode batches this hook handed to SGLang's loop
 
 
 def _warn_once(reason):
@@ -98,6 +103,11 @@ class _Settings:
                                          "requests' frees")
             self.seen = self._variables()  # a get() may have set a variable from its deprecated name
         return self
+
+    def watched(self):
+        """What the values were read from, as WindowEviction.admit takes them."""
+        sources = [(os.environ._data, key) for key in self.keys] + [(field, "_set_to_none") for field in self.fields]
+        return [(source, key, value) for (source, key), value in zip(sources, self.seen)]
 
 
 _settings = _Settings()
@@ -150,6 +160,18 @@ _fixed = None  # the last scheduler's pair (one a process)
 
 def maybe_evict_swa(self):
     """``ScheduleBatch.maybe_evict_swa`` with the decode branch as one native call."""
+    reason = _eviction.evict_batch(self)  # a batch of the admitted scheduler, mode and settings
+    if reason is None:
+        return
+    if reason is False:
+        _evict_checking(self)
+    else:
+        _evict_by_sglang(self, reason)
+
+
+def _evict_checking(self):
+    """A batch the native call has not admitted: the checks, and the admission of this
+    scheduler's decode batches when they find nothing SGLang's loop must do."""
     global _fixed
     tree_cache, alloc = self.tree_cache, self.token_to_kv_pool_allocator
     fixed = _fixed
@@ -159,19 +181,29 @@ def maybe_evict_swa(self):
         return sglang_maybe_evict_swa(self)
     settings = _settings.current()
     reason = fixed.reason or settings.reason or (settings.reason_releasing if fixed.releases_prefix_locks else None)
-    if reason is None:
-        reqs = self.reqs
-        if reqs and fixed.shadow is None:
-            reason = _eviction.evict(alloc, reqs, self.req_to_token_pool.req_to_token, fixed.window,
-                                     settings.interval, fixed.sharing)
-        elif reqs:
-            reason = _evict_in_lockstep(self, alloc, fixed, settings.interval)
-        if reason is None:
-            counts["native"] += 1
-            return
+    if reason is None and fixed.shadow is None:
+        # The next decode batches go straight to the native call while these hold.
+        _eviction.admit(tree_cache, alloc, self.forward_mode, fixed.window, settings.interval, fixed.sharing,
+                        settings.watched())
+        reason = _eviction.evict(alloc, self.reqs, self.req_to_token_pool.req_to_token, fixed.window,
+                                 settings.interval, fixed.sharing)
+    elif reason is None and self.reqs:
+        reason = _evict_in_lockstep(self, alloc, fixed, settings.interval)
+    if reason is not None:
+        _evict_by_sglang(self, reason)
+
+
+def _evict_by_sglang(self, reason):
+    global _sglang_batches
     _warn_once(reason)
-    counts["sglang"] += 1
+    _sglang_batches += 1
     sglang_maybe_evict_swa(self)
+
+
+def served():
+    """Decode batches evicted in this process by the native call and by SGLang's loop
+    (tests, benchmark)."""
+    return {"native": _eviction.counters()["batches"], "sglang": _sglang_batches}
 
 
 def _evict_in_lockstep(batch, alloc, fixed, interval):
@@ -242,7 +274,10 @@ def install():
 
 
 def uninstall():
+    global _fixed
     schedule_batch.ScheduleBatch.maybe_evict_swa = sglang_maybe_evict_swa
+    _fixed = None
+    _eviction.withdraw()
 
 
 def installed():

@@ -81,7 +81,7 @@ def test_hook_leaves_the_state_of_sglangs_loop(page_size, radix_cache, interval)
               for s in sglang_step.SETUPS}
     for s in setups.values():
         protect(s, page_size)
-    before = dict(hooks.counts)
+    before = hooks.served()
     freed_steps = 0
     for step in range(STEPS):
         evicted_before = pools(setups["hook"])["evicted"]
@@ -91,7 +91,7 @@ def test_hook_leaves_the_state_of_sglangs_loop(page_size, radix_cache, interval)
         same(states["hook"], states["swa_ext"])  # the same pages freed in the same order
         same(states["hook"], states["sglang"], order=False)  # SGLang's allocator keeps its lists its own way
         freed_steps += states["hook"]["evicted"] != evicted_before
-    assert hooks.counts["native"] - before["native"] == STEPS and hooks.counts["sglang"] == before["sglang"]
+    assert hooks.served()["native"] - before["native"] == STEPS and hooks.served()["sglang"] == before["sglang"]
     assert freed_steps > 0  # the window slid and pages came back
     evicted = states["hook"]["evicted"]
     assert evicted[0] >= setups["hook"].reqs[0].kv.cache_protected_len  # frees started above the tree's prefix
@@ -110,6 +110,7 @@ def test_lockstep_checks_the_hook_request_by_request(interval, monkeypatch):
     real = hooks._eviction
 
     class OffByAPage:  # a native eviction whose window is a page short: it frees a page too many
+        evict_batch = real.evict_batch  # a lockstep allocator is never admitted: every batch comes to evict
         def evict(self, alloc, reqs, req_to_token, window, *args, **kwargs):
             return real.evict(alloc, reqs, req_to_token, window - 16, *args, **kwargs)
 
@@ -126,6 +127,7 @@ def test_lockstep_names_a_request_only_sglangs_loop_found_due(interval, monkeypa
     real = hooks._eviction
 
     class LateByAToken:  # a native eviction that waits one token longer than SGLang's trigger
+        evict_batch = real.evict_batch
         def evict(self, alloc, reqs, req_to_token, window, interval, *args, **kwargs):
             return real.evict(alloc, reqs, req_to_token, window, interval + 1, *args, **kwargs)
 
@@ -142,7 +144,7 @@ def test_the_hook_reads_sglangs_settings_again_when_they_change(monkeypatch):
     monkeypatch.delenv("SGLANG_OPT_RELEASE_PREFILL_SWA", raising=False)
     sglang_step._publish_server_args(16)
     hook, loop = (sglang_step.Scheduler(s, NUM_REQS, 16, 8, STEPS + 2, True) for s in ("hook", "swa_ext"))
-    before = dict(hooks.counts)
+    before = hooks.served()
     for step in range(STEPS):
         if step == STEPS // 2:
             monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
@@ -151,8 +153,8 @@ def test_the_hook_reads_sglangs_settings_again_when_they_change(monkeypatch):
         hook.step()
         loop.step()
         same(pools(hook), pools(loop))
-    assert hooks.counts["native"] - before["native"] == 3 * STEPS // 4
-    assert hooks.counts["sglang"] - before["sglang"] == STEPS - 3 * STEPS // 4
+    assert hooks.served()["native"] - before["native"] == 3 * STEPS // 4
+    assert hooks.served()["sglang"] - before["sglang"] == STEPS - 3 * STEPS // 4
 
 
 def _release_prefix_locks(monkeypatch, setups):
@@ -178,7 +180,7 @@ def test_what_the_native_call_does_not_cover_takes_sglangs_loop_with_one_warning
     sglang_step._publish_server_args(16)
     hook, loop = (sglang_step.Scheduler(s, NUM_REQS, 16, interval, 12, True) for s in ("hook", "swa_ext"))
     cause(monkeypatch, (hook, loop))
-    before = dict(hooks.counts)
+    before = hooks.served()
     hooks._warned.clear()
     with caplog.at_level(logging.WARNING, logger="swa_ext.sglang"):
         for _ in range(8):
@@ -187,7 +189,7 @@ def test_what_the_native_call_does_not_cover_takes_sglangs_loop_with_one_warning
             same(pools(hook), pools(loop))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("swa_ext:")]
     assert len(lines) == 1 and reason in lines[0], lines
-    assert hooks.counts["native"] == before["native"] and hooks.counts["sglang"] - before["sglang"] == 8
+    assert hooks.served()["native"] == before["native"] and hooks.served()["sglang"] - before["sglang"] == 8
 
 
 def test_install_puts_the_hook_in_and_uninstall_takes_it_out():

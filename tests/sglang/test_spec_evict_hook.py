@@ -37,7 +37,7 @@ def test_hook_frees_what_sglangs_loop_frees_under_a_decode_reserve(page_size, ra
                   for s in ("sglang", "hook")}
         for s in setups.values():
             protect(s, page_size)
-        before = dict(hooks.counts)
+        before = hooks.served()
         pending, under_reserve = None, 0
         for _ in range(STEPS):
             evicted_before = pools(setups["hook"])["evicted"]
@@ -55,5 +55,5 @@ def test_hook_frees_what_sglangs_loop_frees_under_a_decode_reserve(page_size, ra
                 for s in setups.values():
                     verify(s, pending)
             pending = [rng.randint(1, 4) for _ in range(NUM_REQS)]
-    assert hooks.counts["native"] - before["native"] == STEPS and hooks.counts["sglang"] == before["sglang"]
+    assert hooks.served()["native"] - before["native"] == STEPS and hooks.served()["sglang"] == before["sglang"]
     assert under_reserve > 0  # requests holding a reserve past their committed length had pages evicted

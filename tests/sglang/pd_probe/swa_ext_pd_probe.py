@@ -83,32 +83,46 @@ def _count_allocator_calls():
 
 def _count_hook_evictions(counts, write):
     """swa_ext's scheduler hook frees out-of-window SWA KV for the whole decode batch in
-    one native call (not through the allocator's methods): count the calls that freed
-    pages and the requests they freed from."""
+    one native call (not through the allocator's methods): count the batches that freed
+    pages and the requests they freed from, as the native call counts them, after each
+    decode step's maybe_evict_swa."""
     try:
         from swa_ext.sglang import hooks
     except ImportError:  # SGLang's allocator alone: its own loop frees through free_swa_segment
         return
-    eviction = hooks._eviction
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    class CountedEviction:
-        def evict(self, alloc, reqs, req_to_token, window, interval, prefix_sharing, free_group=True, record=None):
-            seen = [] if record is None else record
-            already = len(seen)
-            reason = eviction.evict(alloc, reqs, req_to_token, window, interval, prefix_sharing,
-                                    free_group=free_group, record=seen)
-            freed = sum(end > start for _, start, end in seen[already:])
-            if freed:
+    start = hooks._eviction.counters()
+
+    def counted(evict):
+        @functools.wraps(evict)
+        def maybe_evict_swa(batch):
+            result = evict(batch)
+            now = hooks._eviction.counters()
+            freeing = now["freeing_batches"] - start["freeing_batches"]
+            if freeing != counts.get("evict_out_of_window", 0):
                 with _lock:
-                    counts["evict_out_of_window"] = counts.get("evict_out_of_window", 0) + 1
-                    counts["evict_out_of_window_rows"] = counts.get("evict_out_of_window_rows", 0) + freed
+                    counts["evict_out_of_window"] = freeing
+                    counts["evict_out_of_window_rows"] = now["freed_requests"] - start["freed_requests"]
                     # No size read here: in lockstep the shadow makes SGLang's frees only after
                     # this call returns, and a read now would compare the two halfway. The free
                     # group's end, counted above, records the sizes.
                     write()
-            return reason
+            return result
 
-    hooks._eviction = CountedEviction()  # the hook looks it up on its module at each call
+        maybe_evict_swa.counted = True
+        return maybe_evict_swa
+
+    prepare_for_decode = ScheduleBatch.prepare_for_decode
+
+    def counting_prepare_for_decode(self):
+        # swa_ext's plugin installs the hook in an order this one does not know: it is
+        # wrapped at the first decode step (only the hook counts here).
+        if ScheduleBatch.maybe_evict_swa is hooks.maybe_evict_swa:
+            ScheduleBatch.maybe_evict_swa = counted(hooks.maybe_evict_swa)
+        return prepare_for_decode(self)
+
+    ScheduleBatch.prepare_for_decode = counting_prepare_for_decode
 
 
 def _measure_sent_bytes():
