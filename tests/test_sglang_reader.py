@@ -371,7 +371,10 @@ def test_an_admitted_batch_is_evicted_as_sglangs_loop_from_the_batch_itself(inte
             for req in batch.reqs:
                 req.output_ids.append(0)
     after = evict.counters()
-    assert after["batches"] - before["batches"] == Batch.GROWTH
+    assert after["batches"] - before["batches"] == after["admitted_batches"] - before["admitted_batches"] == Batch.GROWTH
+    evict.evict(ours.alloc, ours.reqs, ours.req_to_token, WINDOW, interval, sharing)  # a batch evict alone counts
+    assert evict.counters()["batches"] == after["batches"] + 1
+    assert evict.counters()["admitted_batches"] == after["admitted_batches"]
     assert 0 < after["freeing_batches"] - before["freeing_batches"] <= after["freed_requests"] - before["freed_requests"]
     ours.alloc.check_invariants()
 

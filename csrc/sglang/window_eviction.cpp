@@ -48,8 +48,8 @@ constexpr char kWithdrawDoc[] = "Forgets the admission: evict_batch evicts nothi
 
 constexpr char kCountersDoc[] =
     "What evict and evict_batch did in this process: {'batches': batches evicted (nothing to\n"
-    "refuse), 'freeing_batches': those in which a request freed pages, 'freed_requests': the requests\n"
-    "that freed pages}.";
+    "refuse), 'admitted_batches': those of them evict_batch evicted, 'freeing_batches': those in which\n"
+    "a request freed pages, 'freed_requests': the requests that freed pages}.";
 
 // METH_O: its signature line is Python's, for inspect.
 constexpr char kEvictBatchDoc[] =
@@ -132,6 +132,7 @@ class WindowEviction {
   py::dict counters() const {
     py::dict out;
     out["batches"] = batches_;
+    out["admitted_batches"] = admitted_batches_;
     out["freeing_batches"] = freeing_batches_;
     out["freed_requests"] = freed_requests_;
     return out;
@@ -153,8 +154,11 @@ class WindowEviction {
       return py::bool_(false);
     for (const Admission::Setting& setting : admitted->settings)
       if (!setting.reads_as_admitted()) return py::bool_(false);
-    return evict_with(admitted->alloc, attribute(batch, reqs), attribute(attribute(batch, req_to_token_pool), req_to_token),
-                      admitted->window, admitted->interval, admitted->prefix_sharing, true, Py_None);
+    py::object reason = evict_with(admitted->alloc, attribute(batch, reqs),
+                                   attribute(attribute(batch, req_to_token_pool), req_to_token), admitted->window,
+                                   admitted->interval, admitted->prefix_sharing, true, Py_None);
+    admitted_batches_ += reason.is_none();
+    return reason;
   }
 
  private:
@@ -238,7 +242,7 @@ class WindowEviction {
 
   const swa_sglang::RequestClasses classes_;
   std::shared_ptr<const Admission> admitted_;
-  int64_t batches_ = 0, freeing_batches_ = 0, freed_requests_ = 0;
+  int64_t batches_ = 0, admitted_batches_ = 0, freeing_batches_ = 0, freed_requests_ = 0;
 };
 
 // WindowEviction's pybind11 record, for evict_batch's own entry.

@@ -108,6 +108,9 @@ def check_tail_path(run):
     assert pd_harness.out_of_window_frees(calls) > 0, calls
     if pd_harness.allocator_class(calls)[0] == "swa_ext":  # its hook, not SGLang's loop, evicted
         assert calls.get("evict_out_of_window", 0) > 0 and "free_swa_segment" not in calls, calls
+        # Without lockstep the scheduler's batches were admitted: evict_batch alone served them.
+        lockstep = pd_harness.allocator_class(calls)[1].startswith("Lockstep")
+        assert (calls.get("evict_batch", 0) > 0) != lockstep, calls
     assert calls["free_full_segment"] == calls["free_segment"] == len(PROMPTS), calls
 
 

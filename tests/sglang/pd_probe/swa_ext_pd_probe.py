@@ -84,8 +84,8 @@ def _count_allocator_calls():
 def _count_hook_evictions(counts, write):
     """swa_ext's scheduler hook frees out-of-window SWA KV for the whole decode batch in
     one native call (not through the allocator's methods): count the batches that freed
-    pages and the requests they freed from, as the native call counts them, after each
-    decode step's maybe_evict_swa."""
+    pages, the requests they freed from and the batches evicted on the admitted path, as
+    the native call counts them, after each decode step's maybe_evict_swa."""
     try:
         from swa_ext.sglang import hooks
     except ImportError:  # SGLang's allocator alone: its own loop frees through free_swa_segment
@@ -104,6 +104,8 @@ def _count_hook_evictions(counts, write):
                 with _lock:
                     counts["evict_out_of_window"] = freeing
                     counts["evict_out_of_window_rows"] = now["freed_requests"] - start["freed_requests"]
+                    # Of the batches, those the admitted path took, without the hook's Python checks.
+                    counts["evict_batch"] = now["admitted_batches"] - start["admitted_batches"]
                     # No size read here: in lockstep the shadow makes SGLang's frees only after
                     # this call returns, and a read now would compare the two halfway. The free
                     # group's end, counted above, records the sizes.
