@@ -1,4 +1,4 @@
-"""Plain-Python reference of the swa_ext allocator contract (SPEC.md sections 1-5).
+"""Plain-Python reference of the swa_ext allocator contract (SPEC.md sections 1-5, 7).
 
 Lists and ints only, written to be read: this file is the executable form of
 SPEC.md. It is slow on purpose and is the oracle the native allocator is tested
@@ -41,6 +41,19 @@ STAGED = "staged"
 HELD = "held"
 QUEUED_TOKENS = "queued-tokens"  # queued by free(indices): later calls may name it again
 QUEUED_PAGE = "queued-page"  # queued by page id: released exactly once
+# The shared mode (section 7): the SWA side's pages, in the one list both sides share.
+HELD_SWA = "held-swa"
+QUEUED_TOKENS_SWA = "queued-tokens-swa"
+
+
+class _PageList:
+    """A pool's free list, staging list and page states: its own, or in the shared
+    mode (section 7) the one list of both sides."""
+
+    def __init__(self):
+        self.free_pages = []
+        self.release_pages = []
+        self.state = []
 
 
 def cdiv(a: int, b: int) -> int:
@@ -125,7 +138,9 @@ class _PoolRef:
     caller's call in the message.
     """
 
-    def __init__(self, size: int, page_size: int, need_sort: bool = False):
+    def __init__(self, size: int, page_size: int, need_sort: bool = False, shared_with=None):
+        """shared_with: the shared mode's full side, whose list this pool (the SWA side,
+        holding its pages as HELD_SWA) shares."""
         size = _int(size, "size")
         page_size = _int(page_size, "page_size")
         _require(size >= 0, f"size must be >= 0, got {size}")
@@ -134,7 +149,16 @@ class _PoolRef:
         self.page_size = page_size
         self.need_sort = bool(need_sort)
         self.num_pages = size // page_size
+        self._list = shared_with._list if shared_with is not None else _PageList()
+        self._held = HELD_SWA if shared_with is not None else HELD
+        self._queued_tokens = QUEUED_TOKENS_SWA if shared_with is not None else QUEUED_TOKENS
         self.clear()
+
+    # The lists, in self._list so that the shared mode's two sides see one.
+    free_pages = property(lambda self: self._list.free_pages, lambda self, v: setattr(self._list, "free_pages", v))
+    release_pages = property(lambda self: self._list.release_pages,
+                             lambda self, v: setattr(self._list, "release_pages", v))
+    _state = property(lambda self: self._list.state, lambda self, v: setattr(self._list, "state", v))
 
     # ---- state
 
@@ -212,7 +236,8 @@ class _PoolRef:
                 f"{what}: last_loc {last} is at page offset {last % ps}, prefix {pre} ends at offset {(pre - 1) % ps}",
             )
             if _continues_page(pre, seq, ps):
-                _require(self._state[page] == HELD, f"{what}: last_loc {last} is in page {page}, which is {self._state[page]}")
+                _require(self._state[page] == self._held,
+                         f"{what}: last_loc {last} is in page {page}, which is {self._state[page]}")
 
     def check_alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens,
                            what: str = "alloc_extend") -> None:
@@ -271,7 +296,7 @@ class _PoolRef:
     def _take(self, n: int) -> list[int]:
         pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
         for p in pages:
-            self._state[p] = HELD
+            self._state[p] = self._held
         return pages
 
     def _release(self, pages: list[int]) -> None:
@@ -290,7 +315,7 @@ class _PoolRef:
         self.check_free(indices)
         if self._in_group:
             for i in indices:
-                self._state[i // self.page_size] = QUEUED_TOKENS
+                self._state[i // self.page_size] = self._queued_tokens
             self._group_tokens.extend(indices)
         else:
             self._free_tokens_now(indices)
@@ -299,8 +324,8 @@ class _PoolRef:
 class TokenPoolRef(_PoolRef):
     """SPEC section 2: the pool at page size 1 (a page is a token)."""
 
-    def __init__(self, size: int, need_sort: bool = False):
-        super().__init__(size, 1, need_sort)
+    def __init__(self, size: int, need_sort: bool = False, shared_with=None):
+        super().__init__(size, 1, need_sort, shared_with)
 
     def _check_token_pages_freeable(self, indices, queued_ok, what) -> None:
         # No dedup anywhere at page size 1: every token is freed exactly once.
@@ -308,7 +333,7 @@ class TokenPoolRef(_PoolRef):
         for i in indices:
             _require(i not in seen, f"{what}: token {i} named twice (double free)")
             seen.add(i)
-            _require(self._state[i] == HELD, f"{what}: token {i} is {self._state[i]}, not held (double free)")
+            _require(self._state[i] == self._held, f"{what}: token {i} is {self._state[i]}, not held (double free)")
 
     def _release(self, tokens: list[int]) -> None:
         # Appended (the page pool prepends), or staged until the next merge.
@@ -364,9 +389,9 @@ class TokenPoolRef(_PoolRef):
 class PagePoolRef(_PoolRef):
     """SPEC section 1: the pool at page size > 1."""
 
-    def __init__(self, size: int, page_size: int, need_sort: bool = False):
+    def __init__(self, size: int, page_size: int, need_sort: bool = False, shared_with=None):
         _require(_int(page_size, "page_size") >= 2, "PagePoolRef needs page_size >= 2 (use TokenPoolRef)")
-        super().__init__(size, page_size, need_sort)
+        super().__init__(size, page_size, need_sort, shared_with)
 
     def _tokens_of(self, pages: list[int]) -> list[int]:
         ps = self.page_size
@@ -376,7 +401,7 @@ class PagePoolRef(_PoolRef):
         # free() dedups the tokens of one call (and of one group) into pages.
         for page in sorted({i // self.page_size for i in indices}):
             state = self._state[page]
-            ok = state == HELD or (queued_ok and state == QUEUED_TOKENS)
+            ok = state == self._held or (queued_ok and state == self._queued_tokens)
             _require(ok, f"{what}: page {page} is {state}, not held (double free)")
 
     def _release(self, pages: list[int]) -> None:
@@ -407,7 +432,7 @@ class PagePoolRef(_PoolRef):
         for p in pages:
             _require(p not in seen, f"{what}: page {p} named twice (double free)")
             seen.add(p)
-            _require(self._state[p] == HELD, f"{what}: page {p} is {self._state[p]}, not held (double free)")
+            _require(self._state[p] == self._held, f"{what}: page {p} is {self._state[p]}, not held (double free)")
 
     def free_page_ids(self, pages) -> None:
         pages = _ints(pages, "free_page_ids: pages")
@@ -504,19 +529,25 @@ class SWAAllocatorRef:
     of every change it will make, so that a refused call changes nothing.
     """
 
-    def __init__(self, size: int, size_swa: int, page_size: int, need_sort: bool = False):
+    def __init__(self, size: int, size_swa: int, page_size: int, need_sort: bool = False, shared: bool = False):
+        """shared: the shared mode (section 7), whose SWA side shares the full side's
+        list; size_swa must equal size."""
         size = _int(size, "size")
         size_swa = _int(size_swa, "size_swa")
         page_size = _int(page_size, "page_size")
         _require(page_size >= 1, f"page_size must be >= 1, got {page_size}")
+        _require(not shared or size_swa == size, f"size_swa {size_swa} must equal size {size} in the shared mode")
         self.page_size = page_size
         self.need_sort = bool(need_sort)
-        if page_size == 1:
-            self.full_attn_allocator = TokenPoolRef(size, need_sort)
-            self.swa_attn_allocator = TokenPoolRef(size_swa, need_sort)
-        else:
-            self.full_attn_allocator = PagePoolRef(size, page_size, need_sort)
-            self.swa_attn_allocator = PagePoolRef(size_swa, page_size, need_sort)
+        self.shared = bool(shared)
+
+        def pool(slots, shared_with=None):
+            if page_size == 1:
+                return TokenPoolRef(slots, need_sort, shared_with)
+            return PagePoolRef(slots, page_size, need_sort, shared_with)
+
+        self.full_attn_allocator = pool(size)
+        self.swa_attn_allocator = pool(size_swa, self.full_attn_allocator if shared else None)
         self._size_full = size
         self._size_swa = size_swa
         self.clear()
@@ -559,8 +590,21 @@ class SWAAllocatorRef:
 
     def new_pages_available(self, num_full_pages, num_swa_pages) -> bool:
         ps = self.page_size
-        return (_int(num_full_pages, "num_full_pages") <= self.full_available_size() // ps
-                and _int(num_swa_pages, "num_swa_pages") <= self.swa_available_size() // ps)
+        num_full_pages = _int(num_full_pages, "num_full_pages")
+        num_swa_pages = _int(num_swa_pages, "num_swa_pages")
+        if self.shared:  # one list: the sum must fit
+            return num_full_pages + num_swa_pages <= self.full_available_size() // ps
+        return num_full_pages <= self.full_available_size() // ps and num_swa_pages <= self.swa_available_size() // ps
+
+    def _merge_shared(self, full_mark: int, swa_mark: int | None, full_pages: int, swa_pages: int) -> None:
+        """need_sort in the shared mode: the one list merges before either side takes
+        pages when a side's mark (the low mark its pool would merge on) is above the free
+        pages left once the other side's pages are set aside. The pools' own merges then
+        never fire: the one list holds what both take. swa_mark None: no SWA pages."""
+        free = len(self.full_attn_allocator.free_pages)
+        swa_due = swa_mark is not None and swa_mark > free - full_pages
+        if self.shared and (full_mark > free - swa_pages or swa_due):
+            self.full_attn_allocator.merge_and_sort_free()
 
     # ---- mapping
 
@@ -614,8 +658,10 @@ class SWAAllocatorRef:
         n = _int(need_size, "alloc: need_size")
         _require(n >= 0 and n % self.page_size == 0,
                  f"alloc: need_size {n} is not a multiple of the page size {self.page_size}")
-        if n > self.full_available_size() or n > self.swa_available_size():
+        pages = n // self.page_size
+        if not self.new_pages_available(pages, pages):
             return None
+        self._merge_shared(pages, pages, pages, pages)
         full = self.full_attn_allocator.alloc(n)
         swa = self.swa_attn_allocator.alloc(n)
         self._map(full, swa)
@@ -648,6 +694,8 @@ class SWAAllocatorRef:
         n = _new_pages_extend(pre, seq, self.page_size)
         if not self.new_pages_available(n, n):
             return None
+        mark = ext // self.page_size + len(seq) + 1
+        self._merge_shared(mark, mark, n, n)
         full = full_pool.alloc_extend(pre, seq, last, ext)
         swa = swa_pool.alloc_extend(swa_pre, swa_seq, swa_last, ext)
         self._map(full, swa)
@@ -664,8 +712,9 @@ class SWAAllocatorRef:
         full_pool, swa_pool = self.full_attn_allocator, self.swa_attn_allocator
 
         if self.page_size == 1:
-            if ext > full_pool.available_size() or tail > swa_pool.available_size():
+            if not self.new_pages_available(ext, tail):
                 return None
+            self._merge_shared(ext, tail if tail else None, ext, tail)
             full = full_pool.alloc(ext)
             swa = swa_pool.alloc(tail)
         else:
@@ -673,6 +722,7 @@ class SWAAllocatorRef:
             ns = cdiv(tail, self.page_size)
             if not self.new_pages_available(nf, ns):
                 return None
+            self._merge_shared(ext // self.page_size + 2, tail // self.page_size + 2 if tail else None, nf, ns)
             full = full_pool.alloc_extend(pre, seq, last, ext)
             if tail == 0:
                 return full
@@ -701,6 +751,7 @@ class SWAAllocatorRef:
         need = sum(1 for s in seq if s % self.page_size == 1)
         if not self.new_pages_available(need, need):
             return None
+        self._merge_shared(len(seq), len(seq), need, need)
         full = full_pool.alloc_decode(seq, last)
         swa = swa_pool.alloc_decode(swa_seq, swa_last)
         self._map(full, swa)

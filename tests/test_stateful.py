@@ -74,6 +74,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     page_size = 1
     need_sort = False
     kernels = "auto"  # "emulated": the device algorithm, its kernels run on the CPU
+    shared = False  # the shared mode (SPEC.md section 7): one list for full and SWA pages
 
     def __init__(self):
         super().__init__()
@@ -145,7 +146,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def setup(self, full_pages, swa_pages, extra_tokens, debug):
         ps = self.ps
         size = full_pages * ps + (extra_tokens % ps)  # sizes need not be page multiples
-        size_swa = swa_pages * ps
+        size_swa = size if self.shared else swa_pages * ps
         # SWA_EXT_DEBUG=1 at construction: every mutating call runs check_invariants().
         # The device algorithm checks index values on the device; only in debug mode does a
         # bad call raise before it changes anything, which bad_call expects.
@@ -154,14 +155,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         os.environ["SWA_EXT_DEBUG"] = "1" if debug else "0"
         try:
             self.native = swa_ext.SWATokenToKVPoolAllocator(
-                size, size_swa, ps, torch.bfloat16, "cpu", need_sort=self.need_sort, kernels=self.kernels
+                size, size_swa, ps, torch.bfloat16, "cpu", need_sort=self.need_sort, kernels=self.kernels,
+                shared=self.shared,
             )
         finally:
             if saved is None:
                 del os.environ["SWA_EXT_DEBUG"]
             else:
                 os.environ["SWA_EXT_DEBUG"] = saved
-        self.ref = SWAAllocatorRef(size, size_swa, ps, self.need_sort)
+        self.ref = SWAAllocatorRef(size, size_swa, ps, self.need_sort, shared=self.shared)
 
     # ------------------------------------------------------------ invariants
 
@@ -441,6 +443,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             kinds += ["unaligned_start", "alloc_unaligned"]
         if any(self.reqs[r].evicted > 0 for r in live):
             kinds.append("swa_segment_unmapped")
+        if self.shared and any(len(self.reqs[r].row) > self.reqs[r].evicted for r in live):
+            kinds.append("swa_slot_freed_as_full")
         kind = data.draw(st.sampled_from(sorted(kinds)))
         last_page_end = (self.native.size_full // ps + 1) * ps
         if kind == "mismatched":
@@ -523,15 +527,25 @@ class AllocatorMachine(RuleBasedStateMachine):
             rid = data.draw(st.sampled_from([r for r in live if self.reqs[r].evicted > 0]))
             q = self.reqs[rid]
             self._expect_error("free_swa_segment", T(q.row[: q.evicted]), start_pos=0)
+        elif kind == "swa_slot_freed_as_full":
+            # The shared mode: an SWA slot (a live one) handed to a full free is misuse.
+            rid = data.draw(st.sampled_from([r for r in live if len(self.reqs[r].row) > self.reqs[r].evicted]))
+            q = self.reqs[rid]
+            swa_slot = self.native.translate_loc_from_full_to_swa(T(q.row[q.evicted :])).tolist()[0]
+            call = data.draw(st.sampled_from(["free", "free_full", "free_full_segment"]))
+            if call == "free_full_segment":
+                self._expect_error(call, T([swa_slot // ps * ps + k for k in range(ps)]), start_pos=0)
+            else:
+                self._expect_error(call, T([swa_slot]))
         else:  # pragma: no cover
             raise AssertionError(kind)
 
 
-def _machine(page_size, need_sort, kernels="auto"):
+def _machine(page_size, need_sort, kernels="auto", shared=False):
     return type(
-        f"AllocatorMachine_ps{page_size}_{'sorted' if need_sort else 'unsorted'}_{kernels}",
+        f"AllocatorMachine_ps{page_size}_{'sorted' if need_sort else 'unsorted'}_{kernels}{'_shared' if shared else ''}",
         (AllocatorMachine,),
-        {"page_size": page_size, "need_sort": need_sort, "kernels": kernels},
+        {"page_size": page_size, "need_sort": need_sort, "kernels": kernels, "shared": shared},
     )
 
 
@@ -550,10 +564,11 @@ def _run(machine, slow, examples):
     )
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["default", "shared"])
 @pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_native_matches_reference(page_size, need_sort, request):
-    _run(_machine(page_size, need_sort), request.config.getoption("--slow"), CI_EXAMPLES)
+def test_native_matches_reference(page_size, need_sort, shared, request):
+    _run(_machine(page_size, need_sort, shared=shared), request.config.getoption("--slow"), CI_EXAMPLES)
 
 
 @pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])

@@ -14,13 +14,14 @@ PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort, const PageKi
   reset_state();
 }
 
-std::shared_ptr<PagePool> PagePool::swa_side_of(const PagePool& full_side) {
+std::shared_ptr<PagePool> PagePool::swa_side_of(PagePool& full_side) {
   auto swa = std::make_shared<PagePool>(full_side.geometry_.size, full_side.geometry_.size, full_side.need_sort_,
                                         kSwaPages);  // the smallest pool: its lists are replaced below
   swa->size_ = full_side.size_;
   swa->num_pages_ = full_side.num_pages_;
   swa->capacity_ = full_side.capacity_;
   swa->list_.share(full_side.list_);
+  swa->shares_list_ = full_side.shares_list_ = true;
   return swa;
 }
 
@@ -59,6 +60,7 @@ void PagePool::clear() { reset_state(); }
 void PagePool::resize(int64_t size) {
   PagePool resized(size, geometry_.size, need_sort_, kind_);
   resized.capacity_ = capacity_;
+  resized.shares_list_ = shares_list_;
   *this = std::move(resized);
 }
 
@@ -289,11 +291,13 @@ void PagePool::check_invariants(const PagePool* other_side) const {
     if (!side->group_open_ && !(side->group_index_pages_.empty() && side->group_page_ids_.empty()))
       broken("pages queued without an open free group");
   }
+  const bool alone = shares_list_ && other_side == nullptr;
   for (int64_t page = 1; page <= num_pages_; ++page) {
     if (seen[page]) continue;
     bool held = false;
     for (const PagePool* side : sides) held = held || side->holds(page);
-    if (!held) broken("page " + std::to_string(page) + " is marked free but is in no list");
+    const PageState s = list_->state[page];
+    if (!held && !(alone && s != PageState::kFree && s != PageState::kStaged)) broken("page " + std::to_string(page) + " is marked free but is in no list");
   }
 }
 

@@ -58,7 +58,7 @@ class PagePool final : public PoolStore {
   PagePool(int64_t size, int64_t page_size, bool need_sort, const PageKind& kind = kFullPages);
   // The shared mode's SWA side: full_side's pages and lists, its own kind (SWA pages),
   // claims and free-group queues.
-  static std::shared_ptr<PagePool> swa_side_of(const PagePool& full_side);
+  static std::shared_ptr<PagePool> swa_side_of(PagePool& full_side);
   // A pool with the given contents (a device pool's snapshot); check_invariants() vets it.
   static PagePool from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
                              std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
@@ -247,7 +247,8 @@ class PagePool final : public PoolStore {
   const std::vector<int64_t>& group_page_ids() const { return group_page_ids_; }
   std::string debug_string() const;
   // Throws std::logic_error naming the first broken invariant; other_side: the shared
-  // mode's other side, whose queues and held pages are checked with this pool's.
+  // mode's other side, whose queues and held pages are checked with this pool's. A side
+  // of the shared mode checked alone leaves the pages out of the one list unchecked.
   void check_invariants(const PagePool* other_side = nullptr) const;
   bool operator==(const PagePool& other) const;
 
@@ -275,6 +276,7 @@ class PagePool final : public PoolStore {
   bool need_sort_;
   PageKind kind_;
   PageListRef list_;
+  bool shares_list_ = false;  // a side of the shared mode
   bool group_open_ = false;
   std::vector<int64_t> group_index_pages_;  // pages of free() calls held by the group
   std::vector<int64_t> group_page_ids_;     // pages of free_page_ids calls held by the group
