@@ -9,7 +9,7 @@ too and keep its snapshot.
 
 The fixture state is not trivial: two live requests (one with a partial last page,
 one whose SWA window was partly evicted) and some freed pages, in both page-size
-regimes (1 and 4) and with need_sort on and off.
+regimes (1 and 4), with need_sort on and off, and in the shared mode (SPEC.md section 7).
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ def T(values, dtype=torch.int64):
 class World:
     """A native allocator and the reference, driven to the same non-trivial state."""
 
-    def __init__(self, page_size, need_sort):
+    def __init__(self, page_size, need_sort, shared=False):
         self.ps = ps = page_size
-        self.native = swa_ext.SWATokenToKVPoolAllocator(SIZE, SIZE_SWA, ps, torch.bfloat16, "cpu", need_sort=need_sort)
-        self.ref = SWAAllocatorRef(SIZE, SIZE_SWA, ps, need_sort)
+        size_swa = SIZE if shared else SIZE_SWA
+        self.native = swa_ext.SWATokenToKVPoolAllocator(SIZE, size_swa, ps, torch.bfloat16, "cpu", need_sort=need_sort,
+                                                        shared=shared)
+        self.ref = SWAAllocatorRef(SIZE, size_swa, ps, need_sort, shared=shared)
         # a: 2 pages + 1 token (partial last page), fully mapped.
         self.a = self.both("alloc_extend", T([0, 0]), T([0, 0]), T([2 * ps + 1, 2 * ps]), T([2 * ps + 1, 2 * ps]),
                            T([-1, -1]), 4 * ps + 1)
@@ -98,12 +100,13 @@ def expect(world, exc, name, *args, ref=True, target=None, **kwargs):
     return info.value
 
 
-@pytest.fixture(params=[(1, False), (4, False), (4, True), (1, True)], ids=["ps1", "ps4", "ps4-sorted", "ps1-sorted"])
+@pytest.fixture(params=[(1, False), (4, False), (4, True), (1, True), (1, False, True), (4, True, True)],
+                ids=["ps1", "ps4", "ps4-sorted", "ps1-sorted", "ps1-shared", "ps4-sorted-shared"])
 def world(request):
     return World(*request.param)
 
 
-@pytest.fixture(params=[(4, False), (4, True)], ids=["ps4", "ps4-sorted"])
+@pytest.fixture(params=[(4, False), (4, True), (4, False, True)], ids=["ps4", "ps4-sorted", "ps4-shared"])
 def paged(request):
     return World(*request.param)
 
@@ -297,7 +300,7 @@ def test_translate_outside_the_mapping(world):
 
 def test_swa_slot_outside_the_swa_pool(world):
     w = world
-    expect(w, ValueError, "set_full_to_swa_mapping", T([w.a[0]]), T([(SIZE_SWA // w.ps + 1) * w.ps]))
+    expect(w, ValueError, "set_full_to_swa_mapping", T([w.a[0]]), T([(w.native.size_swa // w.ps + 1) * w.ps]))
     expect(w, ValueError, "set_full_to_swa_mapping", T([w.a[0]]), T([-3]))
 
 
@@ -457,12 +460,28 @@ def test_bad_constructor_arguments():
             swa_ext.SWATokenToKVPoolAllocator(size, size_swa, 16, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="^size: is above"):
         swa_ext.PagedTokenToKVPoolAllocator(2**63 - 16, 16, torch.bfloat16, "cpu")
+    # The shared mode's one list has size slots: a different size_swa is refused by name.
+    with pytest.raises(ValueError, match="^size_swa: must equal size"):
+        swa_ext.SWATokenToKVPoolAllocator(64, 32, 4, torch.bfloat16, "cpu", shared=True)
+
+
+@pytest.mark.parametrize("device,kernels", [("cpu", "emulated"), ("cuda", "auto")])
+def test_shared_mode_on_a_device_store_is_refused(device, kernels):
+    # The device store has no shared mode yet: one line naming `shared`, nothing built.
+    if device == "cuda" and cuda_skip_reason():
+        pytest.skip(cuda_skip_reason())
+    with pytest.raises(ValueError, match="^shared: the shared mode runs on kernels='cpu' only"):
+        swa_ext.SWATokenToKVPoolAllocator(64, 64, 4, torch.bfloat16, device, kernels=kernels, shared=True)
 
 
 def test_restore_state_from_another_shape(world):
     w = world
     other = swa_ext.SWATokenToKVPoolAllocator(SIZE * 2, SIZE_SWA, w.ps, torch.bfloat16, "cpu")
     expect(w, ValueError, "restore_state", other.backup_state(), ref=False)
+    # A state of the other mode, of the same sizes: the shared mode's one list is not two.
+    other_mode = swa_ext.SWATokenToKVPoolAllocator(SIZE, SIZE, w.ps, torch.bfloat16, "cpu", shared=not w.native.shared)
+    if w.native.size_swa == SIZE:
+        expect(w, ValueError, "restore_state", other_mode.backup_state(), ref=False)
     expect(w, TypeError, "restore_state", object(), ref=False)
     expect(w, TypeError, "restore_state", w.native.full_attn_allocator.backup_state(), ref=False)
 
@@ -547,14 +566,20 @@ def _hostile_calls(rng, alloc, dev):
 def _allocator(kind, page_size, kernels, dev):
     if kind == "hybrid":
         return swa_ext.SWATokenToKVPoolAllocator(256, 128, page_size, torch.bfloat16, dev, kernels=kernels)
+    if kind == "shared":
+        return swa_ext.SWATokenToKVPoolAllocator(256, 256, page_size, torch.bfloat16, dev, kernels=kernels, shared=True)
     if page_size == 1:
         return swa_ext.TokenToKVPoolAllocator(256, torch.bfloat16, dev, kernels=kernels)
     return swa_ext.PagedTokenToKVPoolAllocator(256, page_size, torch.bfloat16, dev, kernels=kernels)
 
 
+# The shared mode runs on the CPU store (test_shared_mode_on_a_device_store_is_refused).
+KINDS_AND_KERNELS = [(kind, kernels) for kernels in ("cpu", "emulated", "cuda") for kind in ("hybrid", "shared", "pool")
+                     if kind != "shared" or kernels == "cpu"]
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 4, 16])
-@pytest.mark.parametrize("kernels", ["cpu", "emulated", "cuda"])
-@pytest.mark.parametrize("kind", ["hybrid", "pool"])
+@pytest.mark.parametrize("kind,kernels", KINDS_AND_KERNELS)
 def test_hostile_values_are_refused_by_name_and_change_nothing(kind, page_size, kernels, monkeypatch):
     # Every call either works or raises ValueError/TypeError, leaving the state exactly
     # as it was, and the invariants hold after each. Before the lengths were bounded, a
