@@ -235,7 +235,8 @@ class Walk:
     def __init__(self, kind, page_size, need_sort, kernels, seed):
         self.kind, self.ps, self.need_sort = kind, page_size, need_sort
         self.rng = random.Random(seed)
-        self.hybrid = kind == "hybrid"
+        self.hybrid = kind in ("hybrid", "shared")
+        self.shared = kind == "shared"  # the shared mode (SPEC.md section 7): one list, 24 pages
         self.num_pages = 24 if kind != "swa_view" else 12
         self.row_len = 8 * page_size
         self.subjects = [self._make("cpu")]
@@ -255,9 +256,10 @@ class Walk:
 
     def _make(self, kernels):
         ps, dev = self.ps, _device_for(kernels)
-        if self.kind in ("hybrid", "full_view", "swa_view"):
-            hybrid = swa_ext.SWATokenToKVPoolAllocator(24 * ps, 12 * ps, ps, torch.bfloat16, dev,
-                                                       need_sort=self.need_sort, kernels=kernels)
+        if self.kind in ("hybrid", "shared", "full_view", "swa_view"):
+            hybrid = swa_ext.SWATokenToKVPoolAllocator(24 * ps, (24 if self.shared else 12) * ps, ps, torch.bfloat16,
+                                                       dev, need_sort=self.need_sort, kernels=kernels,
+                                                       shared=self.shared)
             if self.kind == "full_view":
                 return hybrid.full_attn_allocator
             if self.kind == "swa_view":
@@ -515,6 +517,24 @@ class Walk:
         self._call(self.rng.choice(candidates))
         return True
 
+    def _free_swa_slot_as_full(self):
+        """The shared mode: a live SWA slot handed to a full free (a page's state says
+        which kind holds it)."""
+        m = self.model
+        live = [q for q in m.reqs.values() if len(q.slots) > max(q.ev, q.base)]
+        if not self.shared or not live:
+            return False
+        q = self.rng.choice(live)
+        full_slot = q.slots[max(q.ev, q.base)]
+        how = self.rng.choice(["free", "free_full", "full_view"])
+
+        def call(a, d):
+            swa_slot = a.translate_loc_from_full_to_swa(T([full_slot], d))
+            return a.full_attn_allocator.free(swa_slot) if how == "full_view" else getattr(a, how)(swa_slot)
+
+        self._call(call)
+        return True
+
     def _free_row(self):
         used = {q.row for q in self.model.reqs.values()}
         return next(r for r in range(64) if r not in used)
@@ -536,7 +556,8 @@ class Walk:
             if not self._repeat_a_free():
                 self._new_request()
         elif r < 0.23:
-            self._evict_released_row()
+            if not self._free_swa_slot_as_full():
+                self._evict_released_row()
         elif r < 0.38:
             self._new_request()
         elif r < 0.5:
@@ -605,6 +626,10 @@ class Walk:
                 assert (swa != 0) == (pos >= q.ev), f"request {q.rid} position {pos} maps to {swa} (evicted {q.ev})"
                 if swa:
                     swa_pages.add(swa // ps)
+        if self.shared:  # one list of 24 pages: both counts read what neither kind holds
+            assert not full_pages & swa_pages, f"pages held as both kinds: {full_pages & swa_pages}"
+            assert host.full_available_size() == host.swa_available_size() == (24 - len(full_pages | swa_pages)) * ps
+            return
         assert host.full_available_size() == (24 - len(full_pages)) * ps
         assert host.swa_available_size() == (12 - len(swa_pages)) * ps
 
@@ -625,11 +650,13 @@ def _same(a, b):
 
 KINDS = [("hybrid", 1), ("hybrid", 16), ("hybrid", 64), ("paged", 1), ("paged", 16), ("paged", 64), ("token", 1),
          ("full_view", 1), ("swa_view", 16)]
+# The shared mode runs on the CPU store (tests/test_bad_input.py: a device store refuses it).
+WALKS = [(kind, ps, kernels) for kernels in ("cpu", "emulated", "cuda") for kind, ps in KINDS] + [
+    ("shared", ps, "cpu") for ps in (1, 4, 16)]
 
 
-@pytest.mark.parametrize("kernels", ["cpu", "emulated", "cuda"])
 @pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
-@pytest.mark.parametrize("kind,page_size", KINDS, ids=[f"{k}-ps{p}" for k, p in KINDS])
+@pytest.mark.parametrize("kind,page_size,kernels", WALKS, ids=[f"{k}-ps{p}-{kern}" for k, p, kern in WALKS])
 def test_misuse_walk(kind, page_size, need_sort, kernels, request):
     _skip_without_gpu(kernels)
     bursts = SLOW_WALK_BURSTS if request.config.getoption("--slow") else WALK_BURSTS
