@@ -34,9 +34,10 @@ def T(values):
     return torch.tensor(values, dtype=torch.int64)
 
 
-def make(page_size=4, need_sort=False):
-    return swa_ext.SWATokenToKVPoolAllocator(256 * page_size, 128 * page_size, page_size, torch.bfloat16, "cpu",
-                                             need_sort=need_sort)
+def make(page_size=4, need_sort=False, shared=False):
+    """shared: the shared mode (SPEC.md section 7), one list of 256 pages."""
+    return swa_ext.SWATokenToKVPoolAllocator(256 * page_size, (256 if shared else 128) * page_size, page_size,
+                                             torch.bfloat16, "cpu", need_sort=need_sort, shared=shared)
 
 
 def reentrant_argument(inner_call):
@@ -84,10 +85,11 @@ OUTER_CALLS = {
 }
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["default", "shared"])
 @pytest.mark.parametrize("outer", sorted(OUTER_CALLS))
 @pytest.mark.parametrize("inner", sorted(INNER_CALLS))
-def test_overlapping_call_raises_and_changes_nothing(outer, inner):
-    a = make()
+def test_overlapping_call_raises_and_changes_nothing(outer, inner, shared):
+    a = make(shared=shared)
     row = a.alloc_extend(T([0]), T([0]), T([5]), T([5]), T([-1]), 5)  # slots 4..8, SWA mapped
     assert row.tolist() == [4, 5, 6, 7, 8]
     before = a.backup_state()
@@ -113,11 +115,13 @@ def test_separate_allocators_do_not_share_a_guard():
     b.check_invariants()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["default", "shared"])
 @pytest.mark.parametrize("page_size,need_sort", [(1, False), (4, True), (16, False)])
-def test_python_threads_sharing_an_allocator_stay_consistent(page_size, need_sort):
+def test_python_threads_sharing_an_allocator_stay_consistent(page_size, need_sort, shared):
     """Threads serialised by the GIL: many small lifecycles at once never see a
-    ConcurrentUseError, never get a slot twice, and leave the pools whole."""
-    a = make(page_size, need_sort)
+    ConcurrentUseError, never get a slot twice, and leave the pools whole. In the shared
+    mode a slot is one index space for both kinds: no SWA slot is a live full slot either."""
+    a = make(page_size, need_sort, shared)
     ps = page_size
     threads_n, rounds = 8, 300
     errors = []
@@ -141,18 +145,22 @@ def test_python_threads_sharing_an_allocator_stay_consistent(page_size, need_sor
                 if out is None:
                     continue
                 slots = out.tolist()
+                swa_slots = [s for s in a.translate_loc_from_full_to_swa(out).tolist() if s > 0] if shared else []
                 with lock:
-                    assert not handed_out.intersection(slots), "a slot was handed out twice"
-                    handed_out.update(slots)
+                    assert not handed_out.intersection(slots + swa_slots), "a slot was handed out twice"
+                    handed_out.update(slots + swa_slots)
                 seq = T([n + 1])
                 d = a.alloc_decode(seq, seq, out[-1:])
                 if d is not None:
                     slots.append(int(d))
+                    new = [int(d)] + ([int(a.translate_loc_from_full_to_swa(d))] if shared else [])
+                    new_swa = [s for s in new[1:] if s > 0 and s not in swa_slots]
                     with lock:
-                        assert int(d) not in handed_out
-                        handed_out.add(int(d))
+                        assert int(d) not in handed_out and not handed_out.intersection(new_swa)
+                        handed_out.update([int(d)] + new_swa)
+                        swa_slots += new_swa
                 with lock:
-                    handed_out.difference_update(slots)
+                    handed_out.difference_update(slots + swa_slots)
                 slots_t = T(slots)
                 if ps == 1:
                     # the head of a short tail has no SWA slot: free the SWA side of the rest
