@@ -25,7 +25,9 @@ OPS = (
 )
 DEFAULT_BATCH_SIZES = (1, 16, 256, 2048)
 DEFAULT_PAGE_SIZES = (1, 16, 64)
-IMPLS = ("native", "baseline", "sglang", "floor")
+# "shared": native in the shared mode (SPEC.md section 7), one list for both kinds; its
+# full slots are native's, its SWA slots its own, so it is timed, not checked, against native.
+IMPLS = ("native", "shared", "baseline", "sglang", "floor")
 REFERENCES = ("baseline", "sglang")  # checked against native before timing
 
 WINDOW = 128  # tokens (gpt-oss's sliding window)
@@ -86,6 +88,8 @@ class _Case:
         size = -(-B * POOL_TOKENS_PER_REQUEST // ps) * ps
         self.native = swa_ext.SWATokenToKVPoolAllocator(size, size, ps, torch.bfloat16, dev)
         self.allocs = {"native": self.native, "baseline": BaselineSWAAllocator(size, size, ps, torch.bfloat16, dev)}
+        if device == "cpu":  # the device store has no shared mode yet
+            self.allocs["shared"] = swa_ext.SWATokenToKVPoolAllocator(size, size, ps, torch.bfloat16, dev, shared=True)
         if with_sglang:
             self.allocs["sglang"] = sglang_ref.make_allocator(size, size, ps, device)
 
@@ -220,7 +224,7 @@ class _Case:
         out = torch.empty(self.batch, dtype=torch.int64)
 
         def on(alloc):
-            if alloc is self.native:  # the batched native call
+            if alloc is self.native or alloc is self.allocs.get("shared"):  # the batched native call
                 return partial(decode.evict_out_of_window, alloc, r2t, rows, pre, evicted, WINDOW)
             # The references: SGLang's scheduler loop, one free_swa_segment per due request.
             return partial(evict_per_request, alloc, r2t, rows, pre, evicted, WINDOW, self.page_size)

@@ -206,6 +206,8 @@ def _row(device, op, B, ps, n, times, mismatches, flush) -> dict:
     row["speedup_vs_baseline"] = row["baseline_median_us"] / row["native_median_us"]
     row["speedup_vs_sglang"] = row["sglang_median_us"] / row["native_median_us"] if sglang else None
     row["ratio_to_floor"] = row["native_median_us"] / row["floor_median_us"]
+    shared = row["shared_median_us"]
+    row["shared_vs_default"] = None if shared is None else shared / row["native_median_us"]
     return row
 
 
@@ -216,7 +218,9 @@ def _progress(r) -> str:
     return (f"{r['device']} {r['op']} B={r['batch_size']} ps={r['page_size']}: "
             + ", ".join(f"{impl} {_fmt_us(r[f'{impl}_median_us'])} µs" for impl in impls)
             + " (" + ", ".join(f"{_fmt_ratio(r[f'speedup_vs_{ref}'])} vs {ref}" for ref in refs)
-            + f", {_fmt_ratio(r['ratio_to_floor'])} vs floor, {r['iters']} iters)"
+            + f", {_fmt_ratio(r['ratio_to_floor'])} vs floor"
+            + ("" if r["shared_vs_default"] is None else f", shared {r['shared_vs_default']:.2f}x default")
+            + f", {r['iters']} iters)"
             + "".join(f"  {ref.upper()} DIFFERS: {r[f'{ref}_mismatch']}" for ref in refs if r[f"{ref}_mismatch"]))
 
 

@@ -222,12 +222,21 @@ void HostHybridStore::claim_swa_of_representatives(Span indices, Call) {
 
 bool HostHybridStore::free_representatives_at_once(Span indices, bool full_side, bool swa_side, Destination full_dest,
                                         Destination swa_dest) {
-  // Two releasers would place into the shared mode's one list at once.
-  if (shared_ && full_side && swa_side) return false;
   const PageGeometry page = full_->geometry();
   const int64_t n = page.pages_for(indices.size), full_pages = full_->num_pages();
   const int64_t* const mapping = mapping_;
-  PagePool::Releaser full(*full_, full_side ? n : 0, full_dest), swa(*swa_, swa_side ? n : 0, swa_dest);
+  // The shared mode's one free list takes both sides' pages as one block, placed as the
+  // ordered releases (the SWA side's, then the full side's) would: prepended, the full
+  // pages first; appended, the SWA pages first. Its one staging list is not split so.
+  int64_t full_before = 0, full_after = 0, swa_before = 0, swa_after = 0;
+  if (shared_ && full_side && swa_side && (full_dest == Destination::kPrepend || full_dest == Destination::kAppend)) {
+    (full_dest == Destination::kPrepend ? full_after : full_before) = n;
+    (full_dest == Destination::kPrepend ? swa_before : swa_after) = n;
+  } else if (shared_ && full_side && swa_side && full_dest == Destination::kStaged) {
+    return false;
+  }
+  PagePool::Releaser full(*full_, full_side ? n : 0, full_dest, full_before, full_after),
+      swa(*swa_, swa_side ? n : 0, swa_dest, swa_before, swa_after);
   if (!full.fits() || !swa.fits()) return false;
   for (int64_t k = 0; k < n; ++k) {  // a fault returns with the placed pages put back
     const int64_t slot = indices[k * page.size];

@@ -198,7 +198,7 @@ void PagePool::place_released(std::vector<int64_t>& pages, Destination dest, Rel
   placed.commit();
 }
 
-PagePool::Releaser::Releaser(PagePool& pool, int64_t n, Destination dest)
+PagePool::Releaser::Releaser(PagePool& pool, int64_t n, Destination dest, int64_t before, int64_t after)
     : pool_(pool), dest_(dest), state_(pool.list_->state.data()), geometry_(pool.geometry_),
       num_pages_(pool.num_pages_), held_(pool.kind_.held) {
   if (std::vector<int64_t>* tail = list()) {
@@ -211,13 +211,14 @@ PagePool::Releaser::Releaser(PagePool& pool, int64_t n, Destination dest)
   } else {
     ring_ = first_ = next_ = pool.list_->ring.data();
     ring_end_ = ring_ + num_pages_;
-    fits_ = n <= num_pages_ - pool.list_->free_count;  // else the block would overwrite free pages
+    const int64_t total = before + n + after;
+    fits_ = total <= num_pages_ - pool.list_->free_count;  // else the block would overwrite free pages
     if (!fits_) return;
     // Appended after the last free page, or prepended: the block ends at the head.
-    int64_t at = dest == Destination::kAppend ? pool.list_->head + pool.list_->free_count : pool.list_->head - n;
-    if (at >= num_pages_) at -= num_pages_;
-    if (at < 0) at += num_pages_;
-    first_ = ring_ + at;
+    const auto wrap = [this](int64_t at) { return at >= num_pages_ ? at - num_pages_ : at < 0 ? at + num_pages_ : at; };
+    block_start_ = wrap(dest == Destination::kAppend ? pool.list_->head + pool.list_->free_count
+                                                     : pool.list_->head - total);
+    first_ = ring_ + wrap(block_start_ + before);
   }
   next_ = first_;
 }
@@ -238,7 +239,7 @@ void PagePool::Releaser::commit() {
     tail->resize(list_size_ + static_cast<size_t>(count_));
     return;
   }
-  if (dest_ == Destination::kPrepend) pool_.list_->head = first_ - ring_;  // all n placed: the block ends at the old head
+  if (dest_ == Destination::kPrepend) pool_.list_->head = block_start_;  // all placed: the block ends at the old head
   pool_.list_->free_count += count_;
 }
 

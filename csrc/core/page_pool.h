@@ -191,7 +191,9 @@ class PagePool final : public PoolStore {
   // locals, as in Claimer.
   class Releaser {
    public:
-    Releaser(PagePool& pool, int64_t n, Destination dest);  // n: the pages to be placed
+    // n: the pages to be placed. before, after: in the free list, the shared mode's
+    // other side places that many pages before and after these, as one block.
+    Releaser(PagePool& pool, int64_t n, Destination dest, int64_t before = 0, int64_t after = 0);
     Releaser(const Releaser&) = delete;
     Releaser& operator=(const Releaser&) = delete;
     ~Releaser() {
@@ -231,6 +233,7 @@ class PagePool final : public PoolStore {
     int64_t* ring_ = nullptr;      // the storage placed into: the ring, or the list's new tail
     int64_t* ring_end_ = nullptr;  // where the ring wraps (nullptr for a list)
     int64_t* first_ = nullptr;     // where the first page goes
+    int64_t block_start_ = 0;      // where a prepended block starts: the free list's new head
     int64_t* next_ = nullptr;
     int64_t count_ = 0;
     size_t list_size_ = 0;  // the list's size before
