@@ -110,7 +110,7 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
         min(size_full, size_swa): ``size_full`` and ``size_swa`` read each. Raises
         ValueError or TypeError naming a bad argument, MemoryError naming ``size`` or
         ``size_swa`` (with the bytes its tables need). ``shared=True``: the shared mode
-        (SPEC.md section 7), one free list of ``size`` slots for full and SWA pages alike;
+        (SPEC.md section 8), one free list of ``size`` slots for full and SWA pages alike;
         ``size_swa`` must equal ``size``."""
         _check_dtype(dtype)
         super().__init__(size, size_swa, page_size, _checked_device(device), need_sort, kernels, shared)

@@ -1,4 +1,4 @@
-"""Plain-Python reference of the swa_ext allocator contract (SPEC.md sections 1-5, 7).
+"""Plain-Python reference of the swa_ext allocator contract (SPEC.md sections 1-5, 8).
 
 Lists and ints only, written to be read: this file is the executable form of
 SPEC.md. It is slow on purpose and is the oracle the native allocator is tested
@@ -41,14 +41,14 @@ STAGED = "staged"
 HELD = "held"
 QUEUED_TOKENS = "queued-tokens"  # queued by free(indices): later calls may name it again
 QUEUED_PAGE = "queued-page"  # queued by page id: released exactly once
-# The shared mode (section 7): the SWA side's pages, in the one list both sides share.
+# The shared mode (section 8): the SWA side's pages, in the one list both sides share.
 HELD_SWA = "held-swa"
 QUEUED_TOKENS_SWA = "queued-tokens-swa"
 
 
 class _PageList:
     """A pool's free list, staging list and page states: its own, or in the shared
-    mode (section 7) the one list of both sides."""
+    mode (section 8) the one list of both sides."""
 
     def __init__(self):
         self.free_pages = []
@@ -530,7 +530,7 @@ class SWAAllocatorRef:
     """
 
     def __init__(self, size: int, size_swa: int, page_size: int, need_sort: bool = False, shared: bool = False):
-        """shared: the shared mode (section 7), whose SWA side shares the full side's
+        """shared: the shared mode (section 8), whose SWA side shares the full side's
         list; size_swa must equal size."""
         size = _int(size, "size")
         size_swa = _int(size_swa, "size_swa")

@@ -9,7 +9,7 @@ too and keep its snapshot.
 
 The fixture state is not trivial: two live requests (one with a partial last page,
 one whose SWA window was partly evicted) and some freed pages, in both page-size
-regimes (1 and 4), with need_sort on and off, and in the shared mode (SPEC.md section 7).
+regimes (1 and 4), with need_sort on and off, and in the shared mode (SPEC.md section 8).
 """
 
 from __future__ import annotations

@@ -79,9 +79,13 @@ def test_goals_reported():
     # The SGLang goal needs SGLang's time; the others are all there.
     assert sorted(goals) == ["cpu alloc_decode B=256 ps=64: <= 3x vs floor",
                              "cpu alloc_decode B=256 ps=64: >= 10x vs baseline",
+                             "cpu: shared mode <= 1.1x default",
                              "every cell: >= 1x vs baseline"]
     floor = goals["cpu alloc_decode B=256 ps=64: <= 3x vs floor"]
     assert floor["value"] == row["ratio_to_floor"] and floor["met"] == (row["ratio_to_floor"] <= 3)
+    shared = goals["cpu: shared mode <= 1.1x default"]  # the shared mode against the default, same process
+    assert shared["value"] == row["shared_median_us"] / row["native_median_us"] == row["shared_vs_default"]
+    assert shared["met"] == (row["shared_vs_default"] <= 1.1)
     assert "Goals (each at its worst measured cell):" in micro.to_markdown([row])
 
 
@@ -135,10 +139,11 @@ def test_one_ratio_notation_in_progress_table_and_goals(capsys):
     assert rc == 0
     captured = capsys.readouterr()
     progress, wall = captured.err.strip().splitlines()
-    assert re.fullmatch(r"\[1/1\] cpu alloc_decode B=1 ps=64: native [\d.,]+ µs, baseline [\d.,]+ µs, "
-                        r"floor [\d.,]+ µs \([\d.,]+x vs baseline, [\d.,]+x vs floor, 3 iters\)", progress), progress
+    assert re.fullmatch(r"\[1/1\] cpu alloc_decode B=1 ps=64: native [\d.,]+ µs, shared [\d.,]+ µs, "
+                        r"baseline [\d.,]+ µs, floor [\d.,]+ µs \([\d.,]+x vs baseline, [\d.,]+x vs floor, "
+                        r"shared [\d.]+x default, 3 iters\)", progress), progress
     row = [line for line in captured.out.splitlines() if line.startswith("| cpu | alloc_decode |")]
-    assert len(row) == 1 and re.search(r"\| [\d.,]+x \| [\d.,]+x \| 3 \|$", row[0]), row
+    assert len(row) == 1 and re.search(r"\| [\d.,]+x \| [\d.,]+x \| [\d.]+x \| 3 \|$", row[0]), row
     assert "×" not in captured.out and " x" not in progress
     # The wall time covers the whole command after start-up, measuring included.
     total, measured = map(float, re.fullmatch(r"wall time ([\d.]+) s: 1 case measured in ([\d.]+) s, .*",

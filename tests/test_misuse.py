@@ -236,7 +236,7 @@ class Walk:
         self.kind, self.ps, self.need_sort = kind, page_size, need_sort
         self.rng = random.Random(seed)
         self.hybrid = kind in ("hybrid", "shared")
-        self.shared = kind == "shared"  # the shared mode (SPEC.md section 7): one list, 24 pages
+        self.shared = kind == "shared"  # the shared mode (SPEC.md section 8): one list, 24 pages
         self.num_pages = 24 if kind != "swa_view" else 12
         self.row_len = 8 * page_size
         self.subjects = [self._make("cpu")]

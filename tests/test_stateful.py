@@ -74,7 +74,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     page_size = 1
     need_sort = False
     kernels = "auto"  # "emulated": the device algorithm, its kernels run on the CPU
-    shared = False  # the shared mode (SPEC.md section 7): one list for full and SWA pages
+    shared = False  # the shared mode (SPEC.md section 8): one list for full and SWA pages
 
     def __init__(self):
         super().__init__()

@@ -35,7 +35,7 @@ def T(values):
 
 
 def make(page_size=4, need_sort=False, shared=False):
-    """shared: the shared mode (SPEC.md section 7), one list of 256 pages."""
+    """shared: the shared mode (SPEC.md section 8), one list of 256 pages."""
     return swa_ext.SWATokenToKVPoolAllocator(256 * page_size, (256 if shared else 128) * page_size, page_size,
                                              torch.bfloat16, "cpu", need_sort=need_sort, shared=shared)
 

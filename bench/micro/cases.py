@@ -25,7 +25,7 @@ OPS = (
 )
 DEFAULT_BATCH_SIZES = (1, 16, 256, 2048)
 DEFAULT_PAGE_SIZES = (1, 16, 64)
-# "shared": native in the shared mode (SPEC.md section 7), one list for both kinds; its
+# "shared": native in the shared mode (SPEC.md section 8), one list for both kinds; its
 # full slots are native's, its SWA slots its own, so it is timed, not checked, against native.
 IMPLS = ("native", "shared", "baseline", "sglang", "floor")
 REFERENCES = ("baseline", "sglang")  # checked against native before timing

@@ -163,7 +163,7 @@ inline constexpr char hybrid_class[] =
 inline constexpr char hybrid_init[] =
     "size, size_swa: the full and SWA pools' slots (tokens), at least one page each;\n"
     "page_size: slots per page, the same in both pools;\n" SWA_DOC_INIT_DEVICE_ARGS
-    "shared: the shared mode (SPEC.md section 7): one list of size slots serves full and SWA\n"
+    "shared: the shared mode (SPEC.md section 8): one list of size slots serves full and SWA\n"
     "pages, size_swa must equal size;\n"
     SWA_DOC_INIT_RAISES("size or size_swa");
 
