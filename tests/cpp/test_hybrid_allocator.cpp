@@ -14,9 +14,10 @@ namespace {
 struct Fixture {
   V mapping;
   HybridAllocator alloc;
-  Fixture(int64_t size, int64_t size_swa, int64_t ps, bool need_sort = false)
-      : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, false))),
-        alloc(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, false, mapping.data(),
+  // shared: the shared mode (SPEC.md section 8), one list for both kinds.
+  Fixture(int64_t size, int64_t size_swa, int64_t ps, bool need_sort = false, bool shared = false)
+      : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, shared))),
+        alloc(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shared, mapping.data(),
                                                 static_cast<int64_t>(mapping.size()))) {}
 
   V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {
@@ -94,6 +95,61 @@ TEST(Hybrid, BatchedEvictionMatchesOneSegmentFreeAtATime) {
   }
   EXPECT_TRUE(batched.alloc.backup_state() == single.alloc.backup_state());
   batched.alloc.check_invariants();
+}
+
+TEST(Shared, OneListServesBothKindsFullPagesFirst) {
+  Fixture f(128, 128, 16, false, true);  // 8 pages in one list
+  const V slots = f.extend({0, 0}, {20, 5}, {-1, -1}, 25);  // 3 full pages, then 3 SWA pages
+  ASSERT_EQ(slots.size(), 25u);
+  for (int64_t slot : slots) EXPECT_LE(slot / 16, 3);
+  for (int64_t slot : slots) EXPECT_GE(f.mapping[slot] / 16, 4);
+  EXPECT_EQ(f.alloc.full_available_size(), 128 - 6 * 16);
+  EXPECT_EQ(f.alloc.swa_available_size(), f.alloc.full_available_size());
+  EXPECT_TRUE(f.alloc.new_pages_available(1, 1));
+  EXPECT_FALSE(f.alloc.new_pages_available(2, 1));
+  f.alloc.check_invariants();
+  f.alloc.free(slots);
+  EXPECT_EQ(f.alloc.available_size(), 128);
+  f.alloc.check_invariants();
+}
+
+TEST(Shared, RefusalIsAgainstTheSumAndAtomic) {
+  Fixture f(128, 128, 16, false, true);
+  f.extend({0}, {48}, {-1}, 48);  // 3 + 3 pages of 8
+  const auto before = f.alloc.backup_state();
+  EXPECT_TRUE(f.extend({0}, {32}, {-1}, 32).empty());  // 2 + 2 pages: only 2 free
+  EXPECT_TRUE(f.alloc.backup_state() == before);
+  EXPECT_EQ(f.extend({0}, {16}, {-1}, 16).size(), 16u);  // 1 + 1
+}
+
+TEST(Shared, AFreeOfTheOtherKindIsCaughtAndChangesNothing) {
+  Fixture f(128, 128, 4, false, true);
+  const V a = f.extend({0}, {8}, {-1}, 8);
+  const V swa_slots{f.mapping[a[0]], f.mapping[a[4]]};
+  const auto before = f.alloc.backup_state();
+  EXPECT_THROW(f.alloc.free_full(swa_slots), ArgumentError);
+  EXPECT_THROW(f.alloc.free(swa_slots), ArgumentError);
+  EXPECT_THROW(f.alloc.free_full_segment(V{swa_slots[0], swa_slots[0] + 1, swa_slots[0] + 2, swa_slots[0] + 3}, 0),
+               ArgumentError);
+  EXPECT_THROW(f.alloc.swa().claim_page_ids(V{a[0] / 4}, kCallFreePageIds), ArgumentError);  // a full page, freed as SWA
+  f.alloc.swa().undo_claims();
+  EXPECT_TRUE(f.alloc.backup_state() == before);
+  f.alloc.check_invariants();
+}
+
+TEST(Shared, ARequestWhoseWindowSlidGivesItsSwaPagesBackToTheOneList) {
+  Fixture f(128, 128, 4, false, true);
+  const V a = f.extend({0}, {16}, {-1}, 16);  // 4 full pages, 4 SWA pages
+  EXPECT_EQ(f.alloc.available_size(), 128 - 32);
+  f.alloc.free_swa_segment(V(a.begin(), a.begin() + 8), 0);  // two SWA pages out of the window
+  EXPECT_EQ(f.alloc.available_size(), 128 - 24);
+  EXPECT_EQ(f.extend({0}, {4}, {-1}, 4).size(), 4u);  // they are full and SWA pages again
+  f.alloc.check_invariants();
+}
+
+TEST(Shared, SizeSwaMustEqualSize) {
+  EXPECT_THROW(HybridAllocator::mapping_size(128, 64, 16, true), ArgumentError);
+  EXPECT_EQ(HybridAllocator::mapping_size(128, 128, 16, true), 128 + 16 + 1);
 }
 
 TEST(Hybrid, InvariantCheckCatchesAStaleMapping) {

@@ -55,10 +55,28 @@ TEST(Plan, MergeTriggersDifferByCall) {
 
 TEST(Plan, HybridRefusalNeedsBothPools) {
   const AllocPlan plan = plan_alloc(32, PageGeometry(16));
-  EXPECT_FALSE(hybrid_refused(plan, 2, 2));
-  EXPECT_TRUE(hybrid_refused(plan, 2, 1));
-  EXPECT_TRUE(hybrid_refused(plan, 1, 2));
+  EXPECT_FALSE(hybrid_refused(plan, 2, 2, false));
+  EXPECT_TRUE(hybrid_refused(plan, 2, 1, false));
+  EXPECT_TRUE(hybrid_refused(plan, 1, 2, false));
   EXPECT_EQ(hybrid_available_size(64, 48), 48);
+}
+
+TEST(Plan, SharedRefusalNeedsTheSumInTheOneList) {
+  const AllocPlan plan = plan_alloc(32, PageGeometry(16));  // 2 full pages and 2 SWA pages
+  EXPECT_FALSE(hybrid_refused(plan, 4, 4, true));
+  EXPECT_TRUE(hybrid_refused(plan, 3, 3, true));
+  EXPECT_TRUE(new_pages_available(1, 2, 3, 3, true));
+  EXPECT_FALSE(new_pages_available(2, 2, 3, 3, true));
+  EXPECT_FALSE(new_pages_available(INT64_MAX, INT64_MAX, 3, 3, true));  // no overflow into a yes
+  EXPECT_THROW(check_hybrid_shape(64, 32, 16, true), ArgumentError);
+}
+
+TEST(Plan, SharedMergeSetsTheOtherSidesPagesAside) {
+  const PageGeometry page(16);
+  const AllocPlan plan = plan_alloc(32, page);  // 2 + 2 pages
+  EXPECT_FALSE(shared_merge_due(plan, 4, page));
+  EXPECT_TRUE(shared_merge_due(plan, 3, page));  // either side alone fits 3, both do not
+  EXPECT_FALSE(merge_due(plan, PoolRole::kFull, 3, page));
 }
 
 TEST(Plan, ReleaseDestination) {
