@@ -305,7 +305,7 @@ void HybridAllocator::restore_state(const AllocatorState& state) {
   check_state_shape("an allocator", static_cast<int64_t>(state.mapping.size()) == store_->mapping_len() &&
                                         state.full.size() == full().size() && state.swa.size() == swa().size() &&
                                         state.full.page_size() == page_.size &&
-                                        (state.swa.kind().held == kSwaPages.held) == shared_);
+                                        (state.swa.kind().held == PageKind::swa().held) == shared_);
   store_->restore(state);
 }
 

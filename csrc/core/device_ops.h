@@ -323,7 +323,7 @@ enum class ClaimSource : int32_t {
 SWA_HD bool claim_page(const PoolView& pool, int64_t p, bool repeat_ok, const Origin& origin, int64_t entry,
                        int64_t order) {
   const StateWord old = compare_and_swap(&pool.state[p], kHeld, kClaimed);
-  if (old == kHeld || repeats_a_claim(static_cast<PageState>(old), repeat_ok, kFullPages)) return old == kHeld;
+  if (old == kHeld || repeats_a_claim(static_cast<PageState>(old), repeat_ok, PageKind::full())) return old == kHeld;
   origin.fail_in_order(order, kClaimRefused, entry, p, old);
   return false;
 }

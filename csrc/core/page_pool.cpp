@@ -16,7 +16,7 @@ PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort, const PageKi
 
 std::shared_ptr<PagePool> PagePool::swa_side_of(PagePool& full_side) {
   auto swa = std::make_shared<PagePool>(full_side.geometry_.size, full_side.geometry_.size, full_side.need_sort_,
-                                        kSwaPages);  // the smallest pool: its lists are replaced below
+                                        PageKind::swa());  // the smallest pool: its lists are replaced below
   swa->size_ = full_side.size_;
   swa->num_pages_ = full_side.num_pages_;
   swa->capacity_ = full_side.capacity_;

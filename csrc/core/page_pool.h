@@ -55,7 +55,7 @@ class PageListRef {
 
 class PagePool final : public PoolStore {
  public:
-  PagePool(int64_t size, int64_t page_size, bool need_sort, const PageKind& kind = kFullPages);
+  PagePool(int64_t size, int64_t page_size, bool need_sort, const PageKind& kind = PageKind::full());
   // The shared mode's SWA side: full_side's pages and lists, its own kind (SWA pages),
   // claims and free-group queues.
   static std::shared_ptr<PagePool> swa_side_of(PagePool& full_side);

@@ -30,11 +30,14 @@ enum class PageState : uint8_t {
 
 // The states a pool's pages take while out of the free list: a pool of the default mode
 // (and the shared mode's full side) holds full pages, the shared mode's SWA side SWA pages.
+// Functions, not constants: device code may call them, but not read a host constant of class type.
 struct PageKind {
   PageState held, claimed, queued_by_index;
+  SWA_HD static constexpr PageKind full() { return {PageState::kHeld, PageState::kClaimed, PageState::kQueuedByIndex}; }
+  SWA_HD static constexpr PageKind swa() {
+    return {PageState::kHeldSwa, PageState::kClaimedSwa, PageState::kQueuedByIndexSwa};
+  }
 };
-constexpr PageKind kFullPages{PageState::kHeld, PageState::kClaimed, PageState::kQueuedByIndex};
-constexpr PageKind kSwaPages{PageState::kHeldSwa, PageState::kClaimedSwa, PageState::kQueuedByIndexSwa};
 
 // Where released pages go.
 enum class Destination : int32_t {
