@@ -12,6 +12,19 @@ from .scenario import ARENA, SHARED, _cdiv, arena_bytes, arena_page_bytes
 FULL, SWA = 0, 1
 
 
+def sglang_prealloc_demand(page_size: int, window: int, need_full: int, swa_own: int, room_full: int, n_active: int,
+                           swa_in_use: int) -> tuple[int, int]:
+    """The pages of each side SGLang 0.5.23's PD decode node asks a one-budget allocator's
+    ``prealloc_fits`` for (``decode.py``: the per-side budgets folded back into the demand):
+    on the full side the request's tokens and reserve (``need_full``) and the reserve of the
+    ``n_active`` active requests (``room_full``); on the SWA side the request's own SWA
+    tokens and, for the active requests, that reserve capped by what their windows can still
+    grow beyond the ``swa_in_use`` SWA tokens held (``_swa_tail_allocatable_token_budget``;
+    with the radix cache off the request gets no SWA reserve of its own)."""
+    swa_growth = max(0, n_active * window - swa_in_use)
+    return _cdiv(need_full + room_full, page_size), _cdiv(swa_own + min(room_full, swa_growth), page_size)
+
+
 class Arena:
     """The page accounting of SGLang 0.5.23's ``UnifiedSWATokenToKVPoolAllocator`` with
     lazy compaction (its default): one byte band shared by the full side (from the top)
@@ -109,17 +122,13 @@ class UnifiedDecodeNode(DecodeNode):
         return self.in_flight == 0
 
     def _admits(self, need_full, swa_fill, new_room_swa, room_full, room_swa, n_active) -> bool:
-        """SGLang's ``prealloc_fits``: the request's full tokens and the reserve of every
-        active request on the full side; its SWA tail and, for the active requests, the
-        reserve capped by what their windows can still grow (``swa_growth_potential``) on
-        the SWA side (at page size 1 the whole prompt and its reserve, as on the full side);
-        both priced together against the arena, as after compaction when moves are allowed."""
+        """SGLang's ``prealloc_fits`` (``sglang_prealloc_demand``; at page size 1 the SWA
+        side asks for the whole prompt and its reserve, as the full side) priced against
+        the arena, as after compaction when moves are allowed."""
         ps = self.page_size
-        swa_growth = max(0, n_active * self.window - self.arena.live(SWA) * ps)
-        swa_own = swa_fill if ps > 1 else need_full
-        swa_tokens = swa_own + min(room_full, swa_growth)
-        return self.arena.fits(_cdiv(need_full + room_full, ps), _cdiv(swa_tokens, ps),
-                               compacted=self._moves_allowed())
+        demand = sglang_prealloc_demand(ps, self.window, need_full, swa_fill if ps > 1 else need_full, room_full,
+                                        n_active, self.arena.live(SWA) * ps)
+        return self.arena.fits(*demand, compacted=self._moves_allowed())
 
     def _allocated(self, before: tuple[int, int], full_pages: int, swa_pages: int) -> None:
         after = self._free_pages()
@@ -177,14 +186,18 @@ class UnifiedDecodeNode(DecodeNode):
 
 class SharedDecodeNode(DecodeNode):
     """swa_ext's shared mode: one slot space and one free list for full and SWA pages
-    (``shared=True``), so admission asks for the request's full and SWA tokens and the
-    room of both kinds together against the one free count."""
+    (``shared=True``). SGLang's decode node asks swa_ext's ``prealloc_fits`` for the same
+    pages as it asks SGLang's arena (``sglang_prealloc_demand``), priced as their sum
+    against the one free count (``swa_ext/sglang/shared.py``)."""
 
     def _make_allocator(self, allocator_factory):
         return allocator_factory(self.config.size_full, self.config.size_swa, self.page_size, shared=True)
 
     def _admits(self, need_full, swa_fill, new_room_swa, room_full, room_swa, n_active) -> bool:
-        return need_full + swa_fill + new_room_swa <= self.allocator.available_size() - room_full - room_swa
+        ps = self.page_size
+        full_pages, swa_pages = sglang_prealloc_demand(ps, self.window, need_full, swa_fill, room_full, n_active,
+                                                       self._pages_in_use()[SWA] * ps)
+        return full_pages + swa_pages <= self.allocator.available_size() // ps
 
     def _pages_in_use(self) -> tuple[int, int]:
         """Full and SWA pages the running requests hold (the free count is one for both)."""
