@@ -55,17 +55,19 @@ def _ratios(scenario: Scenario, policy: str, swa_ratio: float | None, sweep, int
     return tuple(policy_config(scenario, policy, r, interval) for r in ratios)
 
 
-def plan_runs(scenario: Scenario, columns=COLUMNS, swa_ratio: float | None = None,
+def plan_runs(scenario: Scenario, columns=None, swa_ratio: float | None = None,
               sweep: tuple[float, ...] = SWA_RATIO_SWEEP) -> list[PlannedRun]:
     """``full`` at ratio 1; ``evict`` and ``tail`` at ``swa_ratio`` when given, else at
     their best of ``sweep``; ``sglang`` as SGLang sizes its node (``sglang_config``);
     ``swa_ext``, ``tail`` evicting every step, at ``swa_ratio`` or its best of ``sweep``,
     or, with a cap on running requests, on the node SGLang sizes from it at interval 1.
-    Refuses, before any run, a column that no request of the scenario fits."""
+    ``sglang_unified`` and ``swa_ext_shared`` on their one budget. ``columns`` None: the
+    model's ``default_columns``. Refuses, before any run, a column that no request of the
+    scenario fits."""
     if swa_ratio is not None and not 0 < swa_ratio <= 1:
         raise SimulationError(f"SWA ratio must be in (0, 1], got {swa_ratio}")
     runs = []
-    for label in dict.fromkeys(columns):
+    for label in dict.fromkeys(default_columns(scenario.model) if columns is None else columns):
         if label == "full":
             configs = (policy_config(scenario, "full", 1.0),)
         elif label == SGLANG:
@@ -132,7 +134,7 @@ def _best_of(scenario: Scenario, planned: PlannedRun, *, allocator_factory, prog
     return best
 
 
-def run(scenario: Scenario, columns=COLUMNS, *, swa_ratio: float | None = None,
+def run(scenario: Scenario, columns=None, *, swa_ratio: float | None = None,
         sweep: tuple[float, ...] = SWA_RATIO_SWEEP, allocator_factory=default_allocator,
         progress: bool = False, on_run=None, tuned_on: Scenario | None = None) -> dict[str, PolicyResult]:
     """The comparison: one result per planned column (``plan_runs``), by label; with
@@ -141,7 +143,7 @@ def run(scenario: Scenario, columns=COLUMNS, *, swa_ratio: float | None = None,
     another trace) and a swept ``swa_ext``, also ``swa_ext_tuned_elsewhere``: ``swa_ext``
     here at the ratio its sweep finds best there. ``on_run(label, result, seconds)`` is
     called after every run, sweeps included."""
-    columns = tuple(dict.fromkeys(columns))
+    columns = tuple(dict.fromkeys(default_columns(scenario.model) if columns is None else columns))
     if _splits_at_tail(scenario, columns) and "tail" not in columns:
         columns += ("tail",)
     results = {planned.label: _best_of(scenario, planned, allocator_factory=allocator_factory, progress=progress,
