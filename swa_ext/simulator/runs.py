@@ -228,7 +228,8 @@ def _one_budget(results: dict[str, PolicyResult]) -> dict:
     gives ``swa_ext`` here, and every column's retractions."""
     x = results[SWA_EXT_SHARED]
     part = {"swa_ext_shared": _summary(SWA_EXT_SHARED, x),
-            "retractions": {label: r.retractions for label, r in results.items()}}
+            "retractions": {label: results[label].retractions for label in (SWA_EXT_SHARED, SGLANG_UNIFIED, SGLANG,
+                                                                            SWA_EXT) if label in results}}
     for label in (SGLANG, SGLANG_UNIFIED, SWA_EXT, TUNED_ELSEWHERE):
         if label in results:
             r = results[label]
