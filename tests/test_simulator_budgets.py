@@ -2,6 +2,7 @@
 fit rule, holes and compaction blocked while transfers are in flight) and
 swa_ext_shared (swa_ext's shared mode); the shifted-mix trace."""
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -208,3 +209,18 @@ def test_the_traces_credit_their_sources():
     for name in ("AzureLLMInferenceTrace_code.csv", "shifted_mix_trace.csv"):
         assert f"swa_ext/data/{name}" in readme
     assert readme.count("Azure Public Dataset, Microsoft") >= 1 and "LICENSE-Mooncake-traces.txt" in readme
+
+
+def test_cli_tuned_on(tmp_path, capsys):
+    from swa_ext import cli
+
+    out_json = tmp_path / "r.json"
+    args = ["simulate", "--trace", str(AZURE_SMALL), "--page-size", "16", "--kv-memory-gib", "2", "--policy", "swa_ext",
+            "--policy", "swa_ext_shared", "--tuned-on", str(DATA / "mooncake_small.jsonl"), "--tuned-on-time-scale",
+            "0.5", "--json", str(out_json)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "run swa_ext on " in out and ", the best on mooncake_small.jsonl, swa_ext runs " in out
+    report = json.loads(out_json.read_text())
+    assert list(report["policies"]) == ["swa_ext", "swa_ext_shared", "swa_ext_tuned_elsewhere"]
+    assert report["conclusion"]["one_budget"]["swa_ext_tuned_elsewhere"]["tuned_on"] == str(DATA / "mooncake_small.jsonl")
