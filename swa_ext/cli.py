@@ -23,6 +23,8 @@ DEFAULT_MODEL = "gpt-oss-20b"
 DEFAULT_MAX_REQUESTS = 10000
 DEFAULT_TIME_SCALE = 0.02
 DEFAULT_STEP_MS = 20.0
+# The default trace's --tuned-on: the other bundled trace, at the rate the docs replay it.
+DEFAULT_TUNED_ON = ("mooncake_conversation_trace_2000.jsonl", 0.1)
 
 # Exit status of a run stopped by Ctrl-C (128 + SIGINT), as a shell reports it.
 INTERRUPTED = 130
@@ -113,7 +115,13 @@ def _simulate_parser() -> argparse.ArgumentParser:
                    help="cap every column's running batch at N, SGLang's --max-running-requests; sglang and swa_ext "
                    "then size the SWA pool from it as SGLang's decode node does (default: no cap, SGLang's ratio)")
     p.add_argument("--policy", choices=COLUMNS, action="append",
-                   help="run only this column (repeatable; default: all five)")
+                   help="run only this column (repeatable; default: all, swa_ext_shared where the model's full "
+                   "and SWA layers hold the same bytes per token)")
+    p.add_argument("--tuned-on", metavar="TRACE", help="also run swa_ext here at the SWA ratio its sweep finds best "
+                   "on TRACE (same settings; what a ratio tuned on another trace costs); default with the bundled "
+                   f"trace: the bundled {DEFAULT_TUNED_ON[0]} at time scale {DEFAULT_TUNED_ON[1]:g}")
+    p.add_argument("--tuned-on-time-scale", type=_bounded_float(MAX_TIME_SCALE, "slows the trace down more than a "
+                   "replay needs"), metavar="X", help="the time scale for --tuned-on's trace (default: --time-scale)")
     p.add_argument("--max-requests", type=_positive_int, default=DEFAULT_MAX_REQUESTS,
                    help=f"replay the first N requests of the trace (default {DEFAULT_MAX_REQUESTS})")
     p.add_argument("--time-scale", type=_bounded_float(MAX_TIME_SCALE, "slows the trace down more than a replay needs"),
@@ -131,7 +139,8 @@ def _simulate_parser() -> argparse.ArgumentParser:
 
 def _progress_line(label: str, result, seconds: float) -> None:
     """One line per run, for a log: without a terminal there is no progress bar."""
-    print(f"run {label} at SWA ratio {result.swa_ratio:.3g}: mean_running {result.mean_running:.1f}, "
+    ratio = "one budget" if result.swa_ratio is None else f"SWA ratio {result.swa_ratio:.3g}"
+    print(f"run {label} at {ratio}: mean_running {result.mean_running:.1f}, "
           f"{result.completed} completed, {seconds:.1f} s", flush=True)
 
 
@@ -153,27 +162,31 @@ def simulate_main(argv: list[str]) -> int:
     except OutputError as e:
         raise UsageError(str(e)) from None
     started = time.perf_counter()
-    columns = tuple(dict.fromkeys(args.policy)) if args.policy else simulator.COLUMNS
+    model = get_model(args.model)
+    columns = tuple(dict.fromkeys(args.policy)) if args.policy else simulator.default_columns(model)
+    settings = dict(page_size=args.page_size, kv_memory_gib=args.kv_memory_gib, step_ms=args.step_ms,
+                    reserved_decode_tokens=args.reserved_decode_tokens, eviction_interval=args.eviction_interval,
+                    max_running_requests=args.max_running_requests)
+    tuned_on, tuned_on_trace, tuned_on_scale = None, args.tuned_on, args.tuned_on_time_scale or args.time_scale
+    if tuned_on_trace is None and args.trace is None and simulator.SWA_EXT in columns:
+        tuned_on_trace = str(DEFAULT_TRACE.with_name(DEFAULT_TUNED_ON[0]))
+        tuned_on_scale = args.tuned_on_time_scale or DEFAULT_TUNED_ON[1]
     try:
         requests = load_trace(args.trace, args.max_requests)
         scenario = simulator.plan_scenario(
-            requests,
-            get_model(args.model),
-            trace=args.trace if args.trace is not None else DEFAULT_TRACE.name,
-            page_size=args.page_size,
-            kv_memory_gib=args.kv_memory_gib,
-            step_ms=args.step_ms,
-            time_scale=args.time_scale,
-            reserved_decode_tokens=args.reserved_decode_tokens,
-            eviction_interval=args.eviction_interval,
-            max_running_requests=args.max_running_requests,
-        )
+            requests, model, trace=args.trace if args.trace is not None else DEFAULT_TRACE.name,
+            time_scale=args.time_scale, **settings)
         # Every column is checked here, before the first run.
         simulator.plan_runs(scenario, columns, args.swa_ratio)
+        if tuned_on_trace is not None:
+            tuned_on = simulator.plan_scenario(load_trace(tuned_on_trace, args.max_requests), model,
+                                               trace=tuned_on_trace, time_scale=tuned_on_scale, **settings)
+            simulator.plan_runs(tuned_on, (simulator.SWA_EXT,))
     except (TraceError, simulator.SimulationError) as e:
         raise UsageError(f"{PROG} simulate: error: {e}") from None
     on_run = None if sys.stdout.isatty() else _progress_line
-    results = simulator.run(scenario, columns, swa_ratio=args.swa_ratio, progress=True, on_run=on_run)
+    results = simulator.run(scenario, columns, swa_ratio=args.swa_ratio, progress=True, on_run=on_run,
+                            tuned_on=tuned_on)
     print(simulator.format_table(scenario, results))
     summary = simulator.format_conclusion(scenario, results)
     if summary:

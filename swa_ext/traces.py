@@ -172,3 +172,47 @@ def load_trace(path: str | Path | None = None, limit: int | None = None) -> list
         Request(rid=i, arrival_s=rows[i][0] - start, prompt_len=rows[i][1], output_len=rows[i][2])
         for i in order
     ]
+
+
+# The shifted-mix trace (docs/simulator.md): chat, then long context, then code.
+DATA = DEFAULT_TRACE.parent
+SHIFTED_MIX_TRACE = DATA / "shifted_mix_trace.csv"
+# (source, requests taken from its start, arrival-time stretch). The stretch makes each
+# segment replay, at the default time scale 0.02, at the rate the notes replay its source:
+# the Azure traces 50 times faster than recorded, the Mooncake sample 10 times (0.1 / 0.02).
+SHIFTED_MIX_SEGMENTS = (
+    (DEFAULT_TRACE, 3000, 1.0),
+    (DATA / "mooncake_conversation_trace_2000.jsonl", 1000, 5.0),
+    (DATA / "AzureLLMInferenceTrace_code.csv", 3000, 1.0),
+)
+
+
+def shifted_mix(segments) -> list[Request]:
+    """One trace of segments played one after another: each ``(requests, stretch)``
+    keeps its arrivals (relative to its first) times ``stretch``, and starts where the
+    previous segment's last request arrived, one mean arrival gap of that segment later."""
+    out: list[Request] = []
+    start = 0.0
+    for requests, stretch in segments:
+        first = requests[0].arrival_s
+        times = [start + (r.arrival_s - first) * stretch for r in requests]
+        out += [Request(len(out) + i, t, r.prompt_len, r.output_len) for i, (r, t) in enumerate(zip(requests, times))]
+        start = times[-1] + (times[-1] - times[0]) / max(len(times) - 1, 1)
+    return out
+
+
+def write_csv(requests: list[Request], path: str | Path) -> None:
+    """Write requests as a CSV trace (``TIMESTAMP`` in seconds) that ``load_trace`` reads back."""
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(AZURE_COLUMNS)
+        for r in requests:
+            w.writerow((f"{r.arrival_s:.6f}", r.prompt_len, r.output_len))
+
+
+def build_shifted_mix(path: str | Path = SHIFTED_MIX_TRACE) -> list[Request]:
+    """Build the shifted-mix trace from the bundled traces (``SHIFTED_MIX_SEGMENTS``) and
+    write it to ``path``: ``python -c "from swa_ext.traces import build_shifted_mix as b; b()"``."""
+    requests = shifted_mix([(load_trace(source, count), stretch) for source, count, stretch in SHIFTED_MIX_SEGMENTS])
+    write_csv(requests, path)
+    return requests

@@ -15,7 +15,7 @@ from swa_ext import cli, simulator
 
 DATA = Path(__file__).with_name("data")
 SMALL = ["--trace", str(DATA / "azure_small.csv"), "--page-size", "16", "--kv-memory-gib", "2"]
-COLUMNS = ["full", "evict", "tail", "sglang", "swa_ext"]
+COLUMNS = ["full", "evict", "tail", "sglang", "swa_ext", "sglang_unified", "swa_ext_shared"]
 
 
 def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
@@ -24,7 +24,8 @@ def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
     table = capsys.readouterr().out
     # The files written, named last; the conclusion before them.
     assert table.splitlines()[-2:] == [f"wrote {out_json}", f"wrote {out_png}"]
-    assert "\nconclusion: swa_ext (tail, SWA ratio " in table and cli.EVICTION_COST_DOC in table
+    assert "\nconclusion: swa_ext_shared (one budget for full and SWA KV, no ratio" in table
+    assert "\nfixed ratio: swa_ext (tail, SWA ratio " in table and cli.EVICTION_COST_DOC in table
     assert "In SGLang: SWA_EXT_SGLANG=1 SGLANG_SWA_EVICTION_INTERVAL=1 with --swa-full-tokens-ratio " in table
     assert "\ntransfer: tail " in table and "\nagainst full (no SWA support): swa_ext runs " in table
     # Without a terminal, one progress line per run (the sweeps' included).
@@ -48,7 +49,7 @@ def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
         assert metrics["completed"] + metrics["rejected"] == 48
         assert metrics["swa_ratio"] == report["config"]["swa_ratio"][label]
         assert ("swa_ratio_sweep" in metrics) == (label in ("evict", "tail", "swa_ext"))
-        assert metrics["eviction_interval"] == (1 if label == "swa_ext" else 128)
+        assert metrics["eviction_interval"] == (1 if label in ("swa_ext", "swa_ext_shared") else 128)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

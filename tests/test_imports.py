@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"swa_ext": ROOT / "swa_ext", "swa_ext_bench": ROOT / "bench"}
 # Each package's modules, each importing only those before it.
 ORDERED = {
-    "swa_ext.simulator": ("scenario", "node", "runs", "report"),
+    "swa_ext.simulator": ("scenario", "node", "budgets", "runs", "report"),
     "swa_ext_bench.micro": ("cases", "measure", "report", "cli"),
 }
 

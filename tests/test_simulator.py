@@ -233,10 +233,12 @@ def test_planned_columns():
     sweep = simulator.SWA_RATIO_SWEEP
     assert columns(simulator.plan_runs(scenario)) == [
         ("full", "full", (1.0,), {128}), ("evict", "evict", sweep, {128}), ("tail", "tail", sweep, {128}),
-        ("sglang", "tail", (0.8,), {128}), ("swa_ext", "tail", sweep, {1})]
+        ("sglang", "tail", (0.8,), {128}), ("swa_ext", "tail", sweep, {1}),
+        ("sglang_unified", "tail", (None,), {128}), ("swa_ext_shared", "tail", (None,), {1})]
     assert columns(simulator.plan_runs(scenario, swa_ratio=0.3)) == [
         ("full", "full", (1.0,), {128}), ("evict", "evict", (0.3,), {128}), ("tail", "tail", (0.3,), {128}),
-        ("sglang", "tail", (0.8,), {128}), ("swa_ext", "tail", (0.3,), {1})]
+        ("sglang", "tail", (0.8,), {128}), ("swa_ext", "tail", (0.3,), {1}),
+        ("sglang_unified", "tail", (None,), {128}), ("swa_ext_shared", "tail", (None,), {1})]
     # A pinned ratio that leaves the SWA pool no room names the column it starves.
     with pytest.raises(simulator.SimulationError, match="'evict' column"):
         simulator.plan_runs(scenario, swa_ratio=1e-9)
@@ -310,7 +312,8 @@ def test_report_has_config_and_policies():
     config = report["config"]
     assert config["model"] == "gpt-oss-120b" and config["trace"] == "mooncake_small.jsonl"
     assert config["page_size"] == 16 and config["kv_memory_gib"] == 1.0
-    assert config["swa_ratio"] == {"full": 1.0, "evict": 0.4, "tail": 0.4, "sglang": 0.8, "swa_ext": 0.4}
+    assert config["swa_ratio"] == {"full": 1.0, "evict": 0.4, "tail": 0.4, "sglang": 0.8, "swa_ext": 0.4,
+                                   "sglang_unified": None, "swa_ext_shared": None}
     assert config["eviction_interval"] == 128 and config["max_running_requests"] is None
     assert config["reserved_decode_tokens"] == simulator.DEFAULT_RESERVED_DECODE_TOKENS
     assert config["requests"] == config["trace_requests"] == 24

@@ -66,7 +66,7 @@ def test_conclusion_splits_ratio_and_interval():
     assert c["from_ratio"] + c["from_interval"] == pytest.approx(x.mean_running - s.mean_running)
     assert x.mean_running > s.mean_running
     first = simulator.format_conclusion(scenario, results).splitlines()[0]
-    assert first.startswith(f"conclusion: swa_ext (tail, SWA ratio {x.swa_ratio:g}, eviction every step) runs "
+    assert first.startswith(f"fixed ratio: swa_ext (tail, SWA ratio {x.swa_ratio:g}, eviction every step) runs "
                             f"{x.mean_running:.1f} requests")
     assert f"sglang's {s.mean_running:.1f}" in first and "eviction every 128 tokens" in first
     assert f"SGLang at its best ratio {t.swa_ratio:g}: {t.mean_running:.1f})" in first

@@ -55,6 +55,8 @@ class PolicyResult:
     completed_lens: dict[int, int] = field(default_factory=dict)
     # The SWA ratios tried for this policy, when it was swept: one summary each.
     sweep: list[dict] = field(default_factory=list)
+    # The trace whose sweep chose this run's SWA ratio, when it is not the run's own.
+    tuned_on: str | None = None
 
     SUMMARY_KEYS = (
         "swa_ratio",
@@ -135,9 +137,12 @@ class _Stopwatch:
         self.total += time.perf_counter() - self._start
 
 
-def default_allocator(size_full: int, size_swa: int, page_size: int):
+def default_allocator(size_full: int, size_swa: int, page_size: int, shared: bool = False):
+    """swa_ext's allocator on the CPU; ``shared``: its shared mode (one slot space)."""
     from swa_ext import SWATokenToKVPoolAllocator
 
+    if shared:
+        return SWATokenToKVPoolAllocator(size_full, size_swa, page_size, torch.bfloat16, "cpu", shared=True)
     return SWATokenToKVPoolAllocator(size_full, size_swa, page_size, torch.bfloat16, "cpu")
 
 
@@ -170,7 +175,7 @@ class DecodeNode:
         self.swa_span = tail_swa_pages_bound(self.window, ps, config.eviction_interval) * ps
         self.requests = [r for r in scenario.requests if fits_empty_node(scenario, config, r)]
         # No allocator for a node that rejects every request: its pools may be empty.
-        self.allocator = allocator_factory(config.size_full, config.size_swa, ps) if self.requests else None
+        self.allocator = self._make_allocator(allocator_factory) if self.requests else None
         self.targets = [r.prompt_len + r.output_len for r in self.requests]
         n = len(self.requests)
         rows = _max_resident(self.requests, config.size_full // ps, ps) if n else 1
@@ -198,6 +203,33 @@ class DecodeNode:
             capacity_bound=capacity_bound(scenario, config, self.requests),
         )
         self.watch = _Stopwatch()  # allocator calls of the current step
+
+    # -- the node's memory: two pools (what a one-budget node overrides) ----
+
+    def _make_allocator(self, allocator_factory):
+        return allocator_factory(self.config.size_full, self.config.size_swa, self.page_size)
+
+    def _admits(self, need_full: int, swa_fill: int, new_room_swa: int, room_full: int, room_swa: int,
+                n_active: int) -> bool:
+        """Whether the pools hold a request's ``need_full`` full tokens (with its reserve)
+        and ``swa_fill`` SWA tokens plus ``new_room_swa`` room, beside the room kept for
+        the ``n_active`` running requests (``room_full``, ``room_swa``)."""
+        alloc = self.allocator
+        return (need_full <= alloc.full_available_size() - room_full
+                and swa_fill + new_room_swa <= alloc.swa_available_size() - room_swa)
+
+    def _pre_alloc(self, row: int, fill: int):
+        with self.watch:
+            return self._decode.pre_alloc(self.allocator, self.req_to_token, row, fill, self._prealloc_window(fill))
+
+    def _alloc_decode(self, new_lens: torch.Tensor, last_loc: torch.Tensor):
+        with self.watch:
+            return self.allocator.alloc_decode(new_lens, new_lens, last_loc)
+
+    def _pages_in_use(self) -> tuple[int, int]:
+        ps, alloc = self.page_size, self.allocator
+        return (self.config.size_full // ps - alloc.full_available_size() // ps,
+                self.config.size_swa // ps - alloc.swa_available_size() // ps)
 
     # -- the policy's rules ------------------------------------------------
 
@@ -237,7 +269,7 @@ class DecodeNode:
         """FIFO while the pools hold the head request's KV and decode room for it and
         for every running request (SGLang's ``num_reserved_decode_tokens``). A lone
         request needs no room: it has the whole node, which it fits."""
-        ps, alloc = self.page_size, self.allocator
+        ps = self.page_size
         held_swa = torch.div(self.seq_lens + ps - 1, ps, rounding_mode="floor") * ps - self.evicted
         room_full = self.reserve * len(self.batch_req)
         room_swa = int(self._swa_room(held_swa).sum())
@@ -247,16 +279,14 @@ class DecodeNode:
             i, fill = self.queue[0]
             swa_fill = _cdiv(self._swa_fill(fill), ps) * ps
             new_room_swa = int(self._swa_room(torch.tensor([swa_fill]))[0])
-            if self.batch_req or new_req:
-                need_full = _cdiv(fill, ps) * ps + self.reserve
-                if (need_full > alloc.full_available_size() - room_full
-                        or swa_fill + new_room_swa > alloc.swa_available_size() - room_swa):
-                    break
+            n_active = len(self.batch_req) + len(new_req)
+            if n_active and not self._admits(_cdiv(fill, ps) * ps + self.reserve, swa_fill, new_room_swa, room_full,
+                                             room_swa, n_active):
+                break
             got = self.req_pool.alloc(1)
             if got is None:
                 break
-            with self.watch:
-                placed = self._decode.pre_alloc(alloc, self.req_to_token, got[0], fill, self._prealloc_window(fill))
+            placed = self._pre_alloc(got[0], fill)
             if placed is None:
                 self.req_pool.free(got[0])
                 break
@@ -308,8 +338,7 @@ class DecodeNode:
         while self.batch_req:
             new_lens = self.seq_lens + 1
             last_loc = self.req_to_token[self.rows, self.seq_lens - 1].to(torch.int64)
-            with self.watch:
-                out = self.allocator.alloc_decode(new_lens, new_lens, last_loc)
+            out = self._alloc_decode(new_lens, last_loc)
             if out is not None:
                 self.req_to_token[self.rows, self.seq_lens] = out.to(torch.int32)
                 self.seq_lens = new_lens
@@ -320,8 +349,7 @@ class DecodeNode:
         """The step's batch and pool use, right after its decode allocation."""
         res, ps = self.result, self.page_size
         bs = len(self.batch_req)
-        full_used = self.config.size_full // ps - self.allocator.full_available_size() // ps
-        swa_used = self.config.size_swa // ps - self.allocator.swa_available_size() // ps
+        full_used, swa_used = self._pages_in_use()
         per_req_swa = int((torch.div(self.seq_lens + ps - 1, ps, rounding_mode="floor") - self.evicted // ps).max())
         res.timeline_step.append(step)
         res.timeline_running.append(bs)

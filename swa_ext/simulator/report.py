@@ -7,15 +7,17 @@ from pathlib import Path
 
 from .node import PolicyResult
 from .runs import conclusion
-from .scenario import GIB, SGLANG, SWA_EXT, Scenario
+from .scenario import GIB, SGLANG, SGLANG_UNIFIED, SWA_EXT, SWA_EXT_SHARED, TUNED_ELSEWHERE, Scenario
 
 # What each row of the table and of the JSON's per-column metrics means.
 ROW_DESCRIPTIONS = {
-    "swa_ratio": "SWA pool tokens per full pool token (SGLang's --swa-full-tokens-ratio)",
+    "swa_ratio": "SWA pool tokens per full pool token (SGLang's --swa-full-tokens-ratio); null (-): one budget "
+                 "for both, no ratio (sglang_unified, swa_ext_shared)",
     "eviction_interval": "out-of-window SWA KV is freed once this many tokens have left the window "
                          "(SGLang's SGLANG_SWA_EVICTION_INTERVAL; full never frees it)",
-    "pool_full_pages": "pages of the full-attention pool",
-    "pool_swa_pages": "pages of the SWA pool",
+    "pool_full_pages": "pages of the full-attention pool (sglang_unified: the most its full side can take, the "
+                       "whole arena; swa_ext_shared: its one pool of pages for both)",
+    "pool_swa_pages": "pages of the SWA pool (the same for the one-budget columns)",
     "rejected": "requests that cannot run even on an empty node of this column",
     "completed": "requests served to their last token",
     "retractions": "running requests pushed back to the queue when a decode step found no room",
@@ -88,6 +90,8 @@ _FORMATS = {"swa_ratio": ".3f", "retracted_gib": ".2f", "transfer_gib": ".1f", "
 
 
 def _cell(key: str, value) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return format(value, _FORMATS.get(key, ".1f"))
     return str(value)
@@ -152,6 +156,8 @@ def format_conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> s
     if c is None:
         return ""
     lines = []
+    if "one_budget" in c:
+        lines.append(_one_budget_line(c["one_budget"]))
     if "swa_ext_vs_sglang" in c:
         v = c["swa_ext_vs_sglang"]
         x, s = v["swa_ext"], v["sglang"]
@@ -171,7 +177,7 @@ def format_conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> s
                      f"instead of {s['pool_full_pages']}).")
             flags = f"--max-running-requests {v['max_running_requests']}"
         lines.append(
-            f"conclusion: swa_ext (tail, SWA ratio {x['swa_ratio']:.3g}, eviction {_every(x['eviction_interval'])}) "
+            f"fixed ratio: swa_ext (tail, SWA ratio {x['swa_ratio']:.3g}, eviction {_every(x['eviction_interval'])}) "
             f"runs {x['mean_running']:.1f} requests at once on average, {times} sglang's {s['mean_running']:.1f} "
             f"(SGLang 0.5.23 as it ships: tail, {_sglang_sizing(scenario, results[SGLANG])}, eviction "
             f"{_every(s['eviction_interval'])}), and a request waits {x['queue_wait_p50_s']:.1f} s instead of "
@@ -193,10 +199,39 @@ def format_conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> s
     return "\n".join(lines)
 
 
+_ONE_BUDGET_NAMES = {
+    SGLANG: "SGLang 0.5.23 as it ships",
+    SGLANG_UNIFIED: "SGLang 0.5.23 with --enable-unified-memory: one byte arena, compaction blocked while "
+                    "transfers are in flight",
+}
+
+
+def _one_budget_line(b: dict) -> str:
+    """swa_ext_shared first: against SGLang both ways, then against the fixed ratio."""
+    x = b[SWA_EXT_SHARED]
+    against = [f"{b[label]['shared_vs']:.2f} times {label}'s {b[label]['mean_running']:.1f} ({name})"
+               for label, name in _ONE_BUDGET_NAMES.items() if label in b and b[label]["shared_vs"]]
+    text = (f"conclusion: swa_ext_shared (one budget for full and SWA KV, no ratio, eviction every step) runs "
+            f"{x['mean_running']:.1f} requests at once on average")
+    text += ": " + ", ".join(against) if against else ""
+    if SWA_EXT in b and b[SWA_EXT]["shared_vs"]:
+        f = b[SWA_EXT]
+        text += (f"; {f['shared_vs']:.1%} of swa_ext's {f['mean_running']:.1f} at SWA ratio {f['swa_ratio']:g}, the "
+                 f"best of its sweep on this trace in hindsight")
+    if TUNED_ELSEWHERE in b and b[TUNED_ELSEWHERE]["vs_best"] is not None:
+        t = b[TUNED_ELSEWHERE]
+        text += (f"; at SWA ratio {t['swa_ratio']:g}, the best on {Path(t['tuned_on']).name}, swa_ext runs "
+                 f"{t['mean_running']:.1f} here ({t['vs_best'] - 1:+.0%})")
+    retractions = ", ".join(f"{label} {n}" for label, n in b["retractions"].items())
+    return (f"{text}. Retractions: {retractions}. In SGLang: SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1 "
+            f"SGLANG_SWA_EVICTION_INTERVAL=1.")
+
+
 # Each column its colour and dash; the wider a line, the lower it is drawn, so a column
 # that runs like another (evict like tail on short prompts) shows as a band around it.
 _STYLES = {"full": ("tab:gray", "-", 1.0), "evict": ("tab:orange", "-", 4.0), "tail": ("tab:blue", "-", 1.2),
-           SGLANG: ("tab:red", (0, (4, 2)), 1.2), SWA_EXT: ("tab:green", "-", 1.6)}
+           SGLANG: ("tab:red", (0, (4, 2)), 1.2), SWA_EXT: ("tab:green", "-", 1.6),
+           SGLANG_UNIFIED: ("tab:brown", (0, (2, 1)), 1.4), SWA_EXT_SHARED: ("black", "-", 1.4)}
 _OTHER_STYLE = ("tab:purple", (0, (1, 1)), 1.2)
 
 
@@ -220,7 +255,8 @@ def plot(scenario: Scenario, results: dict[str, PolicyResult], path: str) -> Non
         style = {"color": color, "ls": dash, "lw": width, "alpha": 0.45 if width > 2 else 1.0,
                  "zorder": 10 - width}
         t = [s * scenario.step_ms / 1000.0 for s in r.timeline_step]
-        axes[0].plot(t, r.timeline_running, label=f"{label} (ratio {r.swa_ratio:.3g}, mean {r.mean_running:.0f})",
+        ratio = "one budget" if r.swa_ratio is None else f"ratio {r.swa_ratio:.3g}"
+        axes[0].plot(t, r.timeline_running, label=f"{label} ({ratio}, mean {r.mean_running:.0f})",
                      **style)
         axes[0].axhline(r.capacity_bound, color=color, ls=":", lw=1.2,
                         label=f"{label}: bound of the mean {r.capacity_bound:.0f}")

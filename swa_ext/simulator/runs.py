@@ -7,9 +7,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .node import DecodeNode, PolicyResult, default_allocator
-from .scenario import (COLUMNS, SGLANG, SGLANG_DEFAULT_SWA_RATIO, SWA_EXT, SWA_EXT_EVICTION_INTERVAL, SWA_RATIO_SWEEP, PolicyConfig,
-                       Scenario, SimulationError, capacity_bound, fits_empty_node, policy_config, sglang_config)
+from .budgets import node_class
+from .node import PolicyResult, default_allocator
+from .scenario import (COLUMNS, SGLANG, SGLANG_DEFAULT_SWA_RATIO, SGLANG_UNIFIED, SWA_EXT, SWA_EXT_EVICTION_INTERVAL,
+                       SWA_EXT_SHARED, SWA_RATIO_SWEEP, TUNED_ELSEWHERE, PolicyConfig, Scenario, SimulationError, capacity_bound,
+                       fits_empty_node, policy_config, sglang_config, shared_config, unified_config)
 
 
 def simulate(scenario: Scenario, policy: str, swa_ratio: float = SGLANG_DEFAULT_SWA_RATIO, *, allocator_factory=default_allocator,
@@ -22,8 +24,17 @@ def simulate(scenario: Scenario, policy: str, swa_ratio: float = SGLANG_DEFAULT_
 def simulate_config(scenario: Scenario, config: PolicyConfig, *, allocator_factory=default_allocator,
                     progress: bool = False) -> PolicyResult:
     """Replay the scenario on one policy's node."""
-    node = DecodeNode(scenario, config, allocator_factory=allocator_factory)
-    return node.run(progress=progress, desc=f"{scenario.model.name} {config.policy} {config.swa_ratio:g}")
+    node = node_class(config.budget)(scenario, config, allocator_factory=allocator_factory)
+    ratio = "one budget" if config.swa_ratio is None else f"{config.swa_ratio:g}"
+    return node.run(progress=progress, desc=f"{scenario.model.name} {config.policy} {ratio}")
+
+
+def default_columns(model) -> tuple[str, ...]:
+    """Every column, less ``swa_ext_shared`` for a model whose full and SWA layers hold
+    different bytes per token (the shared mode refuses it)."""
+    if model.full_bytes_per_token == model.swa_bytes_per_token:
+        return COLUMNS
+    return tuple(c for c in COLUMNS if c != SWA_EXT_SHARED)
 
 
 @dataclass(frozen=True)
@@ -44,17 +55,19 @@ def _ratios(scenario: Scenario, policy: str, swa_ratio: float | None, sweep, int
     return tuple(policy_config(scenario, policy, r, interval) for r in ratios)
 
 
-def plan_runs(scenario: Scenario, columns=COLUMNS, swa_ratio: float | None = None,
+def plan_runs(scenario: Scenario, columns=None, swa_ratio: float | None = None,
               sweep: tuple[float, ...] = SWA_RATIO_SWEEP) -> list[PlannedRun]:
     """``full`` at ratio 1; ``evict`` and ``tail`` at ``swa_ratio`` when given, else at
     their best of ``sweep``; ``sglang`` as SGLang sizes its node (``sglang_config``);
     ``swa_ext``, ``tail`` evicting every step, at ``swa_ratio`` or its best of ``sweep``,
     or, with a cap on running requests, on the node SGLang sizes from it at interval 1.
-    Refuses, before any run, a column that no request of the scenario fits."""
+    ``sglang_unified`` and ``swa_ext_shared`` on their one budget. ``columns`` None: the
+    model's ``default_columns``. Refuses, before any run, a column that no request of the
+    scenario fits."""
     if swa_ratio is not None and not 0 < swa_ratio <= 1:
         raise SimulationError(f"SWA ratio must be in (0, 1], got {swa_ratio}")
     runs = []
-    for label in dict.fromkeys(columns):
+    for label in dict.fromkeys(default_columns(scenario.model) if columns is None else columns):
         if label == "full":
             configs = (policy_config(scenario, "full", 1.0),)
         elif label == SGLANG:
@@ -65,6 +78,10 @@ def plan_runs(scenario: Scenario, columns=COLUMNS, swa_ratio: float | None = Non
             configs = _ratios(scenario, "tail", swa_ratio, sweep, SWA_EXT_EVICTION_INTERVAL)
         elif label in ("evict", "tail"):
             configs = _ratios(scenario, label, swa_ratio, sweep)
+        elif label == SGLANG_UNIFIED:
+            configs = (unified_config(scenario),)
+        elif label == SWA_EXT_SHARED:
+            configs = (shared_config(scenario),)
         else:
             raise SimulationError(f"unknown column {label!r}; known: {', '.join(COLUMNS)}")
         runs.append(PlannedRun(label, configs))
@@ -72,7 +89,8 @@ def plan_runs(scenario: Scenario, columns=COLUMNS, swa_ratio: float | None = Non
     for planned in runs:
         if not any(fits_empty_node(scenario, c, shortest) for c in planned.configs):
             c = planned.configs[-1]
-            ratios = "any SWA ratio of the sweep" if len(planned.configs) > 1 else f"SWA ratio {c.swa_ratio:g}"
+            ratios = ("any SWA ratio of the sweep" if len(planned.configs) > 1
+                      else "one budget" if c.swa_ratio is None else f"SWA ratio {c.swa_ratio:g}")
             raise SimulationError(
                 f"{scenario.kv_memory_gib:g} GiB of KV memory at {ratios} is too small for one request "
                 f"in the {planned.label!r} column: its pools hold {c.size_full} full and {c.size_swa} SWA "
@@ -116,19 +134,34 @@ def _best_of(scenario: Scenario, planned: PlannedRun, *, allocator_factory, prog
     return best
 
 
-def run(scenario: Scenario, columns=COLUMNS, *, swa_ratio: float | None = None,
+def run(scenario: Scenario, columns=None, *, swa_ratio: float | None = None,
         sweep: tuple[float, ...] = SWA_RATIO_SWEEP, allocator_factory=default_allocator,
-        progress: bool = False, on_run=None) -> dict[str, PolicyResult]:
+        progress: bool = False, on_run=None, tuned_on: Scenario | None = None) -> dict[str, PolicyResult]:
     """The comparison: one result per planned column (``plan_runs``), by label; with
     ``sglang`` and ``swa_ext`` (and no cap on running requests) also ``tail``, the step
-    between them that the conclusion's split names. ``on_run(label, result, seconds)`` is
+    between them that the conclusion's split names; with ``tuned_on`` (a scenario of
+    another trace) and a swept ``swa_ext``, also ``swa_ext_tuned_elsewhere``: ``swa_ext``
+    here at the ratio its sweep finds best there. ``on_run(label, result, seconds)`` is
     called after every run, sweeps included."""
-    columns = tuple(dict.fromkeys(columns))
+    columns = tuple(dict.fromkeys(default_columns(scenario.model) if columns is None else columns))
     if _splits_at_tail(scenario, columns) and "tail" not in columns:
         columns += ("tail",)
-    return {planned.label: _best_of(scenario, planned, allocator_factory=allocator_factory, progress=progress,
-                                    on_run=on_run)
-            for planned in plan_runs(scenario, columns, swa_ratio, sweep)}
+    results = {planned.label: _best_of(scenario, planned, allocator_factory=allocator_factory, progress=progress,
+                                       on_run=on_run)
+               for planned in plan_runs(scenario, columns, swa_ratio, sweep)}
+    if tuned_on is not None and SWA_EXT in results and results[SWA_EXT].sweep:
+        there = PlannedRun(f"{SWA_EXT} on {tuned_on.trace}", _ratios(tuned_on, "tail", None, sweep,
+                                                                     SWA_EXT_EVICTION_INTERVAL))
+        ratio = _best_of(tuned_on, there, allocator_factory=allocator_factory, progress=progress,
+                         on_run=on_run).swa_ratio
+        started = time.perf_counter()
+        here = simulate_config(scenario, policy_config(scenario, "tail", ratio, SWA_EXT_EVICTION_INTERVAL),
+                               allocator_factory=allocator_factory, progress=progress)
+        here.tuned_on = tuned_on.trace
+        if on_run is not None:
+            on_run(TUNED_ELSEWHERE, here, time.perf_counter() - started)
+        results[TUNED_ELSEWHERE] = here
+    return results
 
 
 def _splits_at_tail(scenario: Scenario, columns) -> bool:
@@ -142,7 +175,7 @@ def _splits_at_tail(scenario: Scenario, columns) -> bool:
 def _summary(label: str, r: PolicyResult) -> dict:
     return {"column": label, "swa_ratio": r.swa_ratio, "eviction_interval": r.eviction_interval,
             "pool_full_pages": r.pool_full_pages, "pool_swa_pages": r.pool_swa_pages,
-            "rejected": r.rejected, "mean_running": r.mean_running,
+            "rejected": r.rejected, "retractions": r.retractions, "mean_running": r.mean_running,
             "queue_wait_p50_s": r.queue_wait_p50_s, "transfer_gib": r.transfer_gib}
 
 
@@ -153,6 +186,8 @@ def conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> dict | N
     saving (``tail`` against whole prompts), and ``swa_ext`` against ``full``. None
     when no part applies."""
     out = {}
+    if SWA_EXT_SHARED in results:
+        out["one_budget"] = _one_budget(results)
     if SGLANG in results and SWA_EXT in results:
         s, x = results[SGLANG], results[SWA_EXT]
         vs = {
@@ -185,3 +220,22 @@ def conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> dict | N
             "full_mean_running": f.mean_running, "full_queue_wait_p50_s": f.queue_wait_p50_s,
         }
     return out or None
+
+
+def _one_budget(results: dict[str, PolicyResult]) -> dict:
+    """``swa_ext_shared`` against ``sglang``, ``sglang_unified`` and the hindsight-best
+    fixed-ratio ``swa_ext`` (each where run), with what a ratio tuned on another trace
+    gives ``swa_ext`` here, and every column's retractions."""
+    x = results[SWA_EXT_SHARED]
+    part = {"swa_ext_shared": _summary(SWA_EXT_SHARED, x),
+            "retractions": {label: results[label].retractions for label in (SWA_EXT_SHARED, SGLANG_UNIFIED, SGLANG,
+                                                                            SWA_EXT) if label in results}}
+    for label in (SGLANG, SGLANG_UNIFIED, SWA_EXT, TUNED_ELSEWHERE):
+        if label in results:
+            r = results[label]
+            part[label] = {**_summary(label, r), "tuned_on": r.tuned_on,
+                           "shared_vs": x.mean_running / r.mean_running if r.mean_running else None}
+    if TUNED_ELSEWHERE in results and SWA_EXT in results:
+        best = results[SWA_EXT].mean_running
+        part[TUNED_ELSEWHERE]["vs_best"] = results[TUNED_ELSEWHERE].mean_running / best if best else None
+    return part

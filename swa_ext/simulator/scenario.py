@@ -18,8 +18,18 @@ EVICTING = ("evict", "tail")
 SGLANG = "sglang"
 SWA_EXT = "swa_ext"
 SWA_EXT_EVICTION_INTERVAL = 1
+# The two columns with one budget for full and SWA KV, no ratio to choose: SGLang 0.5.23
+# with --enable-unified-memory (one byte arena, its own interval) and swa_ext's shared mode
+# (one slot space and one free list, eviction every step).
+SGLANG_UNIFIED = "sglang_unified"
+SWA_EXT_SHARED = "swa_ext_shared"
+# swa_ext at the SWA ratio its sweep finds best on another trace (``run``'s ``tuned_on``).
+TUNED_ELSEWHERE = "swa_ext_tuned_elsewhere"
+# How a column's KV memory is cut: two pools at a ratio, SGLang's byte arena, or
+# swa_ext's shared slots.
+SPLIT, ARENA, SHARED = "split", "arena", "shared"
 # The comparison's columns, in the table's order.
-COLUMNS = (*POLICIES, SGLANG, SWA_EXT)
+COLUMNS = (*POLICIES, SGLANG, SWA_EXT, SGLANG_UNIFIED, SWA_EXT_SHARED)
 
 # SGLang's swa_full_tokens_ratio when the server is not told one.
 SGLANG_DEFAULT_SWA_RATIO = 0.8
@@ -169,15 +179,18 @@ def plan_scenario(
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """One column's node: its policy, SWA ratio, the pool sizes (tokens) it gives, its
-    eviction interval and the cap on running requests (None: no cap)."""
+    """One column's node: its policy, SWA ratio (None: one budget, no ratio), the pool
+    sizes (tokens) it gives, its eviction interval, the cap on running requests (None:
+    no cap) and how its memory is cut (``SPLIT``, ``ARENA``, ``SHARED``). An arena's
+    sizes are what each side could hold alone; a shared pool's are its one slot space."""
 
     policy: str
-    swa_ratio: float
+    swa_ratio: float | None
     size_full: int
     size_swa: int
     eviction_interval: int
     max_running: int | None = None
+    budget: str = SPLIT
 
 
 def _checked(scenario: Scenario, label: str, config: PolicyConfig) -> PolicyConfig:
@@ -220,6 +233,50 @@ def sglang_config(scenario: Scenario, interval: int | None = None, label: str = 
     return _checked(scenario, label, PolicyConfig("tail", ratio, size_full, size_swa, interval, max_running))
 
 
+def arena_page_bytes(model: ModelConfig, page_size: int) -> tuple[int, int]:
+    """Bytes of a full page and of an SWA page (SGLang's ``entry_bytes_per_page``)."""
+    return model.full_bytes_per_token * page_size, model.swa_bytes_per_token * page_size
+
+
+def arena_bytes(scenario: Scenario) -> int:
+    """The bytes an arena's allocations share: the KV memory less the two sink pages."""
+    full_page, swa_page = arena_page_bytes(scenario.model, scenario.page_size)
+    return int(scenario.kv_memory_gib * GIB) - full_page - swa_page
+
+
+def unified_config(scenario: Scenario, interval: int | None = None) -> PolicyConfig:
+    """SGLang 0.5.23's ``--enable-unified-memory`` node (``init_unified_swa_pools``): one
+    byte arena of the KV memory, the full side from the top, the SWA side from the bottom,
+    each addressing the whole arena less its sink page (page 0), the SWA side no more pages
+    than the full side's virtual ids. At page size 1 its decode node preallocates whole
+    prompts on both sides (``_uses_swa_tail_prealloc`` needs a page size above 1), so the
+    column's policy is ``evict`` there, ``tail`` above."""
+    ps = scenario.page_size
+    full_page, swa_page = arena_page_bytes(scenario.model, ps)
+    total = int(scenario.kv_memory_gib * GIB)
+    full_pages = total // full_page
+    swa_pages = min(total // swa_page, full_pages)
+    policy = "tail" if ps > 1 else "evict"
+    interval = scenario.eviction_interval if interval is None else interval
+    return _checked(scenario, SGLANG_UNIFIED, PolicyConfig(policy, None, (full_pages - 1) * ps, (swa_pages - 1) * ps,
+                                                           interval, scenario.max_running_requests, ARENA))
+
+
+def shared_config(scenario: Scenario) -> PolicyConfig:
+    """swa_ext's shared mode (``shared=True``): one slot space whose slot holds a full or an
+    SWA token's KV, so a model whose full and SWA layers hold the same bytes per token
+    (gpt-oss, Gemma 2); the KV memory over those bytes, in whole pages (the full tokens
+    plus the SWA tokens a fixed split of the same memory has, give or take its rounding)."""
+    m, ps = scenario.model, scenario.page_size
+    if m.full_bytes_per_token != m.swa_bytes_per_token:
+        raise SimulationError(
+            f"the {SWA_EXT_SHARED!r} column needs a model whose full and SWA layers hold the same KV bytes per token "
+            f"(gpt-oss, Gemma 2): {m.name} has {m.full_layers} full and {m.swa_layers} SWA layers")
+    slots = int(scenario.kv_memory_gib * GIB // m.full_bytes_per_token) // ps * ps
+    return _checked(scenario, SWA_EXT_SHARED, PolicyConfig("tail", None, slots, slots, SWA_EXT_EVICTION_INTERVAL,
+                                                           scenario.max_running_requests, SHARED))
+
+
 def _pages_needed(policy: str, total_len: int, window: int, page_size: int, interval: int) -> tuple[int, int]:
     """Full and SWA pages a request of final length ``total_len`` may hold at
     once, plus one: enough for any (re)admission and the decode step after it."""
@@ -229,9 +286,18 @@ def _pages_needed(policy: str, total_len: int, window: int, page_size: int, inte
 
 
 def fits_empty_node(scenario: Scenario, config: PolicyConfig, request: Request) -> bool:
+    """Whether the request runs to its end alone on an empty node of this column (an
+    arena also prices its admission's reserve, as SGLang's ``prealloc_ceiling_fits``)."""
     ps = scenario.page_size
     full, swa = _pages_needed(config.policy, request.prompt_len + request.output_len, scenario.model.window, ps,
                               config.eviction_interval)
+    if config.budget == SHARED:
+        return full + swa <= config.size_full // ps
+    if config.budget == ARENA:
+        full_page, swa_page = arena_page_bytes(scenario.model, ps)
+        admission = _cdiv(request.prompt_len, ps) + _cdiv(scenario.reserved_decode_tokens, ps)
+        return (full <= config.size_full // ps and swa <= config.size_swa // ps
+                and max(full, admission) * full_page + swa * swa_page <= arena_bytes(scenario))
     return full <= config.size_full // ps and swa <= config.size_swa // ps
 
 
@@ -272,6 +338,13 @@ def capacity_bound(scenario: Scenario, config: PolicyConfig, requests: list[Requ
             swa_page_steps += full - (_sum_floor(end - window, ps) - _sum_floor(start - window, ps))
     if not decode_steps:
         return 0.0
+    if config.budget != SPLIT:
+        # One budget: its bytes over the bytes a running request holds at least.
+        full_page, swa_page = arena_page_bytes(scenario.model, ps)
+        if config.budget == SHARED:
+            full_page = swa_page = 1
+        budget = config.size_full // ps if config.budget == SHARED else arena_bytes(scenario)
+        return budget * decode_steps / (full_page_steps * full_page + swa_page_steps * swa_page)
     return min(
         config.size_full // ps * decode_steps / full_page_steps,
         config.size_swa // ps * decode_steps / swa_page_steps,
