@@ -46,7 +46,8 @@ RUNS = [("page16-tight", "lockstep"), ("page16", "sglang"), ("page16", "1"), ("p
         ("page64", "lockstep"), ("page1", "lockstep")]
 # Who serves in each mode: (top-level package, allocator class).
 ALLOCATOR_CLASSES = {"sglang": ("sglang", "SWATokenToKVPoolAllocator"), "1": ("swa_ext", "SWATokenToKVPoolAllocator"),
-                     "lockstep": ("swa_ext", "LockstepSWATokenToKVPoolAllocator")}
+                     "lockstep": ("swa_ext", "LockstepSWATokenToKVPoolAllocator"),
+                     "shared": ("swa_ext", "SharedSWATokenToKVPoolAllocator")}
 
 
 def decode_node(model, config, mode):

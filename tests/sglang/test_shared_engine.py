@@ -1,0 +1,112 @@
+"""swa_ext's shared mode (SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1: one budget of pages for full
+and SWA KV, the SWA layers' KV in the full layers' buffers) in SGLang's own offline engine
+on the CPU, SGLang's strict memory and KV-page checks on, each run its own process:
+
+- the outputs and cached tokens of SGLang's allocator (tests/sglang/engine_run.py's two
+  rounds with radix-cache hits), page sizes 16 and 1;
+- a workload SGLang's fixed split mis-sizes (its 0.8 fallback SWA ratio, prompts of 15
+  windows): at the same KV bytes the shared mode runs at least 1.3x the requests at
+  once, read from the scheduler's own decode log (``#running-req``);
+- NGRAM speculative decoding (tests/sglang/spec_engine_run.py, a pool that makes requests
+  wait): SGLang's outputs and verify counts.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pd_harness
+from test_engine import DEFAULT_POOL, run_engine, swa_ext_lines
+from test_spec_engine import run_spec_engine
+
+SHARED_LINE = re.compile(r"swa_ext: shared mode: one budget of (\d+) slots for full and SWA KV, in the bytes SGLang "
+                         r"sized for (\d+) full and (\d+) SWA tokens")
+SGLANG_SIZES = re.compile(r"full_layer_tokens=(\d+), swa_layer_tokens=(\d+)")
+
+
+def sizes(log):
+    """(SGLang's full and SWA token counts, the shared mode's slots or None) from a run's log."""
+    sglang = SGLANG_SIZES.findall(log)
+    assert len(sglang) == 1, sglang
+    shared = SHARED_LINE.findall(log)
+    assert len(shared) <= 1, shared
+    return tuple(map(int, sglang[0])), (tuple(map(int, shared[0])) if shared else None)
+
+
+def check_shared_served(log, page_size):
+    """One line says the shared mode's allocator serves, over slots that are SGLang's two
+    pools' at the same KV bytes (its sizing line, unchanged)."""
+    (full, swa), shared = sizes(log)
+    assert shared == (full + swa, full, swa), shared
+    served = [line for line in swa_ext_lines(log) if " serves " in line]
+    assert len(served) == 1 and f"SharedSWATokenToKVPoolAllocator serves one budget of {full + swa} tokens for full " \
+        f"and SWA pages, shared mode" in served[0] and f"page size {page_size}" in served[0], served
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_shared_mode_gives_sglangs_outputs(tiny_model, page_size):
+    reference = run_engine(tiny_model, page_size, DEFAULT_POOL, "sglang")
+    shared = run_engine(tiny_model, page_size, DEFAULT_POOL, "shared")
+    assert shared["rounds"] == reference["rounds"]
+    assert any(o["cached_tokens"] > 0 for o in shared["rounds"][1])  # the radix cache hit
+    check_shared_served(shared["log"], page_size)
+    assert sizes(shared["log"])[0] == sizes(reference["log"])[0]
+
+
+# Prompts of 960 tokens (15 windows of the tiny model), 16 new tokens each, on SGLang's
+# 0.8 fallback ratio: SGLang's full pool fits four such requests while its SWA pool, sized
+# for 0.8 of their tokens, holds little more than each one's window once decoding starts.
+CAPACITY_PROMPTS = [[(13 * i + 7 * j + j * j % 17) % 500 + 3 for j in range(960)] for i in range(10)]
+CAPACITY_NEW_TOKENS = 16
+CAPACITY_ARGS = {"page_size": 16, "max_total_tokens": 4096, "max_running_requests": 32, "decode_log_interval": 1}
+
+
+def capacity_run(model, mode):
+    """One engine on the capacity workload: its log and outputs."""
+    out_dir = os.path.join(os.path.dirname(model), f"capacity-{mode}")
+    os.makedirs(out_dir, exist_ok=True)
+    spec_path, result = os.path.join(out_dir, "spec.json"), os.path.join(out_dir, "result.json")
+    with open(spec_path, "w") as f:
+        json.dump({"model": model, "rounds": [CAPACITY_PROMPTS], "new_tokens": CAPACITY_NEW_TOKENS,
+                   "engine_args": CAPACITY_ARGS}, f)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, pd_harness.__file__, "engine", spec_path, result], timeout=900,
+                          env=pd_harness.node_env(mode, os.path.join(out_dir, "probe")), capture_output=True,
+                          text=True, start_new_session=True)
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(out_dir, "log.txt"), "w") as f:
+        f.write(log)
+    assert proc.returncode == 0 and os.path.exists(result), f"capacity run failed ({mode}):\n{log[-6000:]}"
+    with open(result) as f:
+        outputs = json.load(f)["rounds"][0]
+    running = [int(n) for n in re.findall(r"Decode batch, #running-req: (\d+)", log)]
+    print(f"capacity run {mode}: {time.monotonic() - start:.0f} s, most requests running at once {max(running)}")
+    return {"log": log, "outputs": outputs, "running": running}
+
+
+def test_shared_mode_holds_more_requests_where_sglangs_split_mis_sizes(tiny_model):
+    """Same KV bytes (SGLang's own sizing line, the same in both runs); the most requests
+    the scheduler decoded at once, from its own log line of every decode step."""
+    runs = {mode: capacity_run(tiny_model, mode) for mode in ("sglang", "shared")}
+    check_shared_served(runs["shared"]["log"], CAPACITY_ARGS["page_size"])
+    assert sizes(runs["shared"]["log"])[0] == sizes(runs["sglang"]["log"])[0]
+    most = {mode: max(run["running"]) for mode, run in runs.items()}
+    print(f"most requests decoding at once: SGLang's split {most['sglang']}, shared {most['shared']} "
+          f"({most['shared'] / most['sglang']:.2f}x)")
+    assert most["shared"] >= 1.3 * most["sglang"], most
+    assert all(len(o) == CAPACITY_NEW_TOKENS for run in runs.values() for o in run["outputs"])
+
+
+def test_ngram_speculative_decoding_in_the_shared_mode(tiny_model):
+    """NGRAM (one chain of 4 draft tokens), page 16, eviction every step, a pool that makes
+    requests wait: the outputs and verify counts of SGLang's allocator."""
+    run = lambda mode: run_spec_engine(tiny_model, None, "NGRAM", 4, 16, 1, mode)  # noqa: E731
+    reference, shared = run("sglang"), run("shared")
+    assert reference.rows is not None, f"SGLang's own run failed:\n{reference.log[-6000:]}"
+    assert shared.rows is not None, f"the shared run failed:\n{shared.log[-6000:]}"
+    assert shared.rows == reference.rows
+    check_shared_served(shared.log, 16)
