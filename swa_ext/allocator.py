@@ -101,16 +101,19 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     _paged_view_class = PagedTokenToKVPoolAllocator
     _token_view_class = TokenToKVPoolAllocator
 
-    def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto"):
+    def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto",
+                 shared=False):
         """Two pools: ``size`` full-attention slots and ``size_swa`` SWA slots (tokens), in
         pages of ``page_size`` slots; ``dtype`` a ``torch.dtype``, recorded for the caller;
         ``device`` "cpu" or "cuda"; ``kvcache``, ``need_sort`` and ``kernels`` as the class
         says. As in SGLang, the ``size`` property then reads the smaller pool,
         min(size_full, size_swa): ``size_full`` and ``size_swa`` read each. Raises
         ValueError or TypeError naming a bad argument, MemoryError naming ``size`` or
-        ``size_swa`` (with the bytes its tables need)."""
+        ``size_swa`` (with the bytes its tables need). ``shared=True``: the shared mode
+        (SPEC.md section 7), one free list of ``size`` slots for full and SWA pages alike;
+        ``size_swa`` must equal ``size``."""
         _check_dtype(dtype)
-        super().__init__(size, size_swa, page_size, _checked_device(device), need_sort, kernels)
+        super().__init__(size, size_swa, page_size, _checked_device(device), need_sort, kernels, shared)
         self._dtype = dtype
         self._kvcache = kvcache
         view_class = self._token_view_class if page_size == 1 else self._paged_view_class

@@ -144,10 +144,10 @@ void PoolAllocator::restore_state(const PagePool& state) {
 // ---------------------------------------------------------------- HybridAllocator
 
 HybridAllocator::HybridAllocator(std::unique_ptr<HybridStore> store)
-    : store_(std::move(store)), page_(store_->full().geometry()) {}
+    : store_(std::move(store)), page_(store_->full().geometry()), shared_(store_->shared()) {}
 
-int64_t HybridAllocator::mapping_size(int64_t size, int64_t size_swa, int64_t page_size) {
-  check_hybrid_shape(size, size_swa, page_size);
+int64_t HybridAllocator::mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shared) {
+  check_hybrid_shape(size, size_swa, page_size, shared);
   return size + page_size + 1;
 }
 
@@ -156,16 +156,21 @@ int64_t HybridAllocator::available_size() {
 }
 
 bool HybridAllocator::new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) {
-  return swa::new_pages_available(num_full_pages, num_swa_pages, full().available_pages(), swa().available_pages());
+  return swa::new_pages_available(num_full_pages, num_swa_pages, full().available_pages(), swa().available_pages(),
+                                  shared_);
 }
 
 bool HybridAllocator::allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call,
                                OutBuffer& out) {
   store_->validate_batch(plan, batch, last_loc, call);
   // Atomic: both pools are checked before either is touched, merges included.
-  if (hybrid_refused(plan, full().available_pages(), swa().available_pages())) return false;
-  merge_if_due(full(), plan, PoolRole::kFull);
-  merge_if_due(swa(), plan, PoolRole::kSwa);
+  if (hybrid_refused(plan, full().available_pages(), swa().available_pages(), shared_)) return false;
+  if (shared_) {  // one list: one merge, for the pages of both kinds
+    if (shared_merge_due(plan, full().free_pages(), page_)) merge_staged(full());
+  } else {
+    merge_if_due(full(), plan, PoolRole::kFull);
+    merge_if_due(swa(), plan, PoolRole::kSwa);
+  }
   store_->write_batch(plan, batch, last_loc, call, out);
   return true;
 }
@@ -292,35 +297,40 @@ void HybridAllocator::evict_out_of_window(const SlotRows& req_to_token, Span row
 }
 
 void HybridAllocator::resize(int64_t size, int64_t size_swa) {
-  check_hybrid_resize(size, size_swa, page_.size, full().capacity(), swa().capacity());
+  check_hybrid_resize(size, size_swa, page_.size, full().capacity(), swa().capacity(), shared_);
   store_->resize(size, size_swa);
 }
 
 void HybridAllocator::restore_state(const AllocatorState& state) {
   check_state_shape("an allocator", static_cast<int64_t>(state.mapping.size()) == store_->mapping_len() &&
                                         state.full.size() == full().size() && state.swa.size() == swa().size() &&
-                                        state.full.page_size() == page_.size);
+                                        state.full.page_size() == page_.size &&
+                                        (state.swa.kind().held == kSwaPages.held) == shared_);
   store_->restore(state);
 }
 
-void HybridAllocator::check_invariants() { swa::check_invariants(store_->backup()); }
+void HybridAllocator::check_invariants() { swa::check_invariants(store_->backup(), shared_); }
 
 std::string HybridAllocator::debug_string() {
   const AllocatorState state = store_->backup();
   return "full: " + state.full.debug_string() + "\nswa: " + state.swa.debug_string();
 }
 
-void check_invariants(const AllocatorState& state) {
+void check_invariants(const AllocatorState& state, bool shared) {
   const PagePool &full = state.full, &swa = state.swa;
-  full.check_invariants();
-  swa.check_invariants();
+  if (shared) {
+    full.check_invariants(&swa);
+  } else {
+    full.check_invariants();
+    swa.check_invariants();
+  }
   const std::vector<int64_t>& mapping = state.mapping;
   if (mapping.back() != -1) throw std::logic_error("mapping invariant broken: the -1 sentinel changed");
   for (size_t slot = 0; slot + 1 < mapping.size(); ++slot) {
     const int64_t swa_slot = mapping[slot];
     if (swa_slot == 0) continue;
     if (!slot_in_pool(swa_slot, swa.geometry(), swa.num_pages()) ||
-        swa.state(swa.geometry().page(swa_slot)) != PageState::kHeld)
+        !swa.holds(swa.geometry().page(swa_slot)))
       throw std::logic_error("mapping invariant broken: full slot " + std::to_string(slot) + " maps to SWA slot " +
                              std::to_string(swa_slot) + ", which is not held");
   }

@@ -246,7 +246,7 @@ struct LastLocCheck {
     if (!hybrid || !swa_continuation || !continues_partial_page(prefix, batch.seq(j), full.page)) return true;
     const auto swa_state = [this, swa_taking](int64_t p) { return swa.state_before(p, swa_taking); };
     const int64_t swa_last = mapping[last];
-    if (swa_continuation_ok(last, swa_last, swa.page, swa.num_pages, swa_state)) return true;
+    if (swa_continuation_ok(last, swa_last, swa.page, swa.num_pages, swa_state, PageState::kHeld)) return true;
     if (report_fault) origin.fail(kSwaContinuation, j, last, swa_last);
     return false;
   }
@@ -323,7 +323,7 @@ enum class ClaimSource : int32_t {
 SWA_HD bool claim_page(const PoolView& pool, int64_t p, bool repeat_ok, const Origin& origin, int64_t entry,
                        int64_t order) {
   const StateWord old = compare_and_swap(&pool.state[p], kHeld, kClaimed);
-  if (old == kHeld || repeats_a_claim(static_cast<PageState>(old), repeat_ok)) return old == kHeld;
+  if (old == kHeld || repeats_a_claim(static_cast<PageState>(old), repeat_ok, kFullPages)) return old == kHeld;
   origin.fail_in_order(order, kClaimRefused, entry, p, old);
   return false;
 }

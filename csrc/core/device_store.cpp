@@ -151,7 +151,7 @@ std::string DeviceControl::describe(const int64_t* r) const {
           m << "entry " << entry << ": page id " << value << " is outside the pool (page 0 is the padding page)";
           break;
         case dev::kClaimRefused:
-          m << "page " << value << claim_refusal(static_cast<PageState>(detail));
+          m << "page " << value << claim_refusal(static_cast<PageState>(detail), kFullPages);
           break;
         case dev::kUnmapped:
           m << "full slot " << value << kUnmappedRefusal;

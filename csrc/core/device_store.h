@@ -189,6 +189,7 @@ class DeviceHybridStore final : public HybridStore {
   std::shared_ptr<PoolStore> full_ptr() const override { return full_; }
   std::shared_ptr<PoolStore> swa_ptr() const override { return swa_; }
   int64_t mapping_len() const override { return mapping_len_; }
+  bool shared() const override { return false; }
   const char* kernels() const override { return control_->exec().kernels(); }
   int64_t device_waits() const override { return control_->waits(); }
   void check_usable() override { control_->check_usable(); }

@@ -27,16 +27,21 @@ std::string last_loc_fault_message(LastLocFault fault, int64_t entry, int64_t la
   return m.str();
 }
 
-const char* claim_refusal(PageState state) {
+const char* claim_refusal(PageState state, const PageKind& kind) {
   switch (state) {
     case PageState::kFree:
     case PageState::kStaged:
       return " is already free (double free)";
     case PageState::kQueuedByIndex:
     case PageState::kQueuedByPage:
+    case PageState::kQueuedByIndexSwa:
       return " is already freed in the open free group (double free)";
+    case PageState::kHeld:
+    case PageState::kHeldSwa:  // not this pool's kind: the shared mode's other side holds it
+      return state == PageState::kHeld ? " holds full KV, not SWA KV (freed as the wrong kind)"
+                                       : " holds SWA KV, not full KV (freed as the wrong kind)";
     default:
-      return " is freed twice in one call";
+      return state == kind.claimed ? " is freed twice in one call" : " is freed as both kinds in one call";
   }
 }
 

@@ -31,8 +31,8 @@ template <class... Parts>
 // device's ops into an error record: one text for both.
 std::string last_loc_fault_message(LastLocFault fault, int64_t entry, int64_t last_loc, int64_t prefix_len,
                                    const PageGeometry& page, int64_t num_pages);
-// Why a page in `state` cannot be freed now.
-const char* claim_refusal(PageState state);
+// Why a page in `state` cannot be freed now by a pool holding pages of `kind`.
+const char* claim_refusal(PageState state, const PageKind& kind);
 // A request whose partial page has no live SWA slot to continue.
 std::string swa_continuation_message(int64_t entry, int64_t last_loc, int64_t swa_last);
 // A kv_indices entry that translate_loc_from_full_to_swa cannot translate.

@@ -5,10 +5,11 @@
 
 namespace swa {
 
-HostHybridStore::HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, int64_t* mapping,
-                                 int64_t mapping_len)
-    : full_(std::make_shared<PagePool>(size, page_size, need_sort)),
-      swa_(std::make_shared<PagePool>(size_swa, page_size, need_sort)),
+HostHybridStore::HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, bool shared,
+                                 int64_t* mapping, int64_t mapping_len)
+    : shared_(shared),
+      full_(std::make_shared<PagePool>(size, page_size, need_sort)),
+      swa_(shared ? PagePool::swa_side_of(*full_) : std::make_shared<PagePool>(size_swa, page_size, need_sort)),
       mapping_(mapping),
       mapping_len_(mapping_len) {
   reset_mapping();
@@ -31,6 +32,7 @@ bool HostHybridStore::batch_valid(const AllocPlan& plan, const BatchLengths& bat
   const auto swa_state = [&swa](int64_t p) { return swa.state(p); };
   const int64_t* const mapping = mapping_;
   const bool swa_side = swa_continues_prefix(plan.call);
+  const PageState swa_held = swa.kind().held;
   // The mapping entries read below lie scattered over the table, and a cold allocator
   // (a forward pass ran since its last call) misses on most: asking for each a few
   // requests ahead overlaps the misses instead of stalling on them one by one.
@@ -61,7 +63,7 @@ bool HostHybridStore::batch_valid(const AllocPlan& plan, const BatchLengths& bat
     const int64_t prefix = batch.prefix(j), last = last_loc.data[j];
     if (last_loc_fault(last, prefix, page, full_pages, full_state) != LastLocFault::kNone) return false;
     if (swa_side && continues_partial_page(prefix, batch.seq_lens[j], page) &&
-        !swa_continuation_ok(last, mapping[last], page, swa_pages, swa_state))
+        !swa_continuation_ok(last, mapping[last], page, swa_pages, swa_state, swa_held))
       return false;
   }
   return true;
@@ -79,12 +81,13 @@ void HostHybridStore::validate_batch(const AllocPlan& plan, const BatchLengths& 
     const int64_t prefix = batch.prefix(j);
     if (!continues_partial_page(prefix, batch.seq_lens[j], page)) continue;
     const int64_t last = last_loc.data[j], swa_last = mapping_[last];
-    if (!swa_continuation_ok(last, swa_last, page, swa_->num_pages(), swa_state))
+    if (!swa_continuation_ok(last, swa_last, page, swa_->num_pages(), swa_state, swa_->kind().held))
       throw ArgumentError(swa_continuation_message(j, last, swa_last));
   }
 }
 
-void HostHybridStore::write_decode(const BatchLengths& batch, const LastLoc& last_loc, int64_t* full_slots) {
+void HostHybridStore::write_decode(const BatchLengths& batch, const LastLoc& last_loc, int64_t swa_skip,
+                                   int64_t* full_slots) {
   // extend_slot's two cases for one token: the slot after last_loc in its partial page
   // (the SWA slot after the one it maps to), or the start of each pool's next new page.
   const PageGeometry page = full_->geometry();
@@ -92,7 +95,7 @@ void HostHybridStore::write_decode(const BatchLengths& batch, const LastLoc& las
   const int64_t* const mapping = mapping_;
   int64_t* __restrict full_out = full_slots;
   int64_t* __restrict swa_out = swa_slots_.data();
-  PagePool::HeadPages full_pages = full_->head_pages(), swa_pages = swa_->head_pages();
+  PagePool::HeadPages full_pages = full_->head_pages(), swa_pages = swa_->head_pages(swa_skip);
   for (int64_t j = 0; j < batch.size(); ++j) {
     if (continues_partial_page(batch.prefix(j), batch.seq_lens[j], page)) {
       full_out[j] = last[j] + 1;
@@ -111,7 +114,8 @@ void HostHybridStore::write_batch(const AllocPlan& plan, const BatchLengths& bat
   int64_t* full_slots = out.get(plan.num_tokens);
   if (plan.call == AllocCall::kDecode && !full_->token_mode()) {  // at page size 1 the ring copies below are faster
     swa_slots_.resize(static_cast<size_t>(plan.num_tokens));
-    write_decode(batch, last_loc, full_slots);
+    // The shared mode's one list hands out the full pages first, then the SWA pages.
+    write_decode(batch, last_loc, shared_ ? plan.full_pages : 0, full_slots);
     full_->take(plan.full_pages);
     swa_->take(plan.swa_pages);
     return;
@@ -218,6 +222,8 @@ void HostHybridStore::claim_swa_of_representatives(Span indices, Call) {
 
 bool HostHybridStore::free_representatives_at_once(Span indices, bool full_side, bool swa_side, Destination full_dest,
                                         Destination swa_dest) {
+  // Two releasers would place into the shared mode's one list at once.
+  if (shared_ && full_side && swa_side) return false;
   const PageGeometry page = full_->geometry();
   const int64_t n = page.pages_for(indices.size), full_pages = full_->num_pages();
   const int64_t* const mapping = mapping_;

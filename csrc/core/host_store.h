@@ -1,6 +1,6 @@
 // The host store: pools and mapping in host memory, changed in place, one element
-// after another. HostHybridStore holds two PagePools (page_pool.h) and the full-to-SWA
-// mapping.
+// after another. HostHybridStore holds two PagePools (page_pool.h), in the shared mode
+// the two sides of one list, and the full-to-SWA mapping.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +15,7 @@ namespace swa {
 class HostHybridStore final : public HybridStore {
  public:
   // mapping: caller-owned storage of mapping_len int64 values; it must outlive the store.
-  HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, int64_t* mapping,
+  HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, bool shared, int64_t* mapping,
                   int64_t mapping_len);
 
   PoolStore& full() override { return *full_; }
@@ -23,6 +23,7 @@ class HostHybridStore final : public HybridStore {
   std::shared_ptr<PoolStore> full_ptr() const override { return full_; }
   std::shared_ptr<PoolStore> swa_ptr() const override { return swa_; }
   int64_t mapping_len() const override { return mapping_len_; }
+  bool shared() const override { return shared_; }
   const char* kernels() const override { return "cpu"; }
   int64_t device_waits() const override { return 0; }
   void check_usable() override {}
@@ -52,8 +53,9 @@ class HostHybridStore final : public HybridStore {
   bool batch_valid(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc) const;
   void reset_mapping();
   void write_mapping(const int64_t* full_slots, const int64_t* swa_slots, int64_t n);
-  // write_batch of a decode step: one token per request, both pools' slots in one pass.
-  void write_decode(const BatchLengths& batch, const LastLoc& last_loc, int64_t* full_slots);
+  // write_batch of a decode step: one token per request, both pools' slots in one pass;
+  // the SWA pages start swa_skip pages into the SWA pool's free list.
+  void write_decode(const BatchLengths& batch, const LastLoc& last_loc, int64_t swa_skip, int64_t* full_slots);
   // Claims the SWA pages mapped from the slots of full page `page`, noted for clearing.
   void claim_swa_of_full_page(int64_t page);
   // The SWA slot that full slot full_slot maps to; throws naming arg unless the slot is
@@ -62,6 +64,7 @@ class HostHybridStore final : public HybridStore {
   // Claims the SWA page mapped from full slot full_slot, a page representative; returns its full page.
   int64_t claim_swa_of_representative(const char* arg, int64_t full_slot);
 
+  bool shared_;
   std::shared_ptr<PagePool> full_, swa_;
   int64_t* mapping_;
   int64_t mapping_len_;

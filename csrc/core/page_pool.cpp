@@ -5,13 +5,23 @@
 
 namespace swa {
 
-PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort)
-    : size_(size), num_pages_(0), capacity_(size), geometry_(page_size), need_sort_(need_sort) {
+PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort, const PageKind& kind)
+    : size_(size), num_pages_(0), capacity_(size), geometry_(page_size), need_sort_(need_sort), kind_(kind) {
   check_pool_shape("size", size, page_size);
   num_pages_ = size / page_size;
-  ring_.resize(static_cast<size_t>(num_pages_));
-  state_.resize(static_cast<size_t>(num_pages_ + 1));
+  list_->ring.resize(static_cast<size_t>(num_pages_));
+  list_->state.resize(static_cast<size_t>(num_pages_ + 1));
   reset_state();
+}
+
+std::shared_ptr<PagePool> PagePool::swa_side_of(const PagePool& full_side) {
+  auto swa = std::make_shared<PagePool>(full_side.geometry_.size, full_side.geometry_.size, full_side.need_sort_,
+                                        kSwaPages);  // the smallest pool: its lists are replaced below
+  swa->size_ = full_side.size_;
+  swa->num_pages_ = full_side.num_pages_;
+  swa->capacity_ = full_side.capacity_;
+  swa->list_.share(full_side.list_);
+  return swa;
 }
 
 PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
@@ -20,11 +30,11 @@ PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, c
   PagePool pool(size, page_size, need_sort);
   if (static_cast<int64_t>(free_list.size()) > pool.num_pages_ || static_cast<int64_t>(state.size()) != pool.num_pages_ + 1)
     throw std::logic_error("pool snapshot of the wrong shape");
-  std::copy(free_list.begin(), free_list.end(), pool.ring_.begin());
-  pool.head_ = 0;
-  pool.free_count_ = static_cast<int64_t>(free_list.size());
-  pool.staged_ = std::move(staged);
-  pool.state_ = std::move(state);
+  std::copy(free_list.begin(), free_list.end(), pool.list_->ring.begin());
+  pool.list_->head = 0;
+  pool.list_->free_count = static_cast<int64_t>(free_list.size());
+  pool.list_->staged = std::move(staged);
+  pool.list_->state = std::move(state);
   pool.group_open_ = group_open;
   pool.group_index_pages_ = std::move(group_index_pages);
   pool.group_page_ids_ = std::move(group_page_ids);
@@ -32,12 +42,12 @@ PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, c
 }
 
 void PagePool::reset_state() {
-  for (int64_t k = 0; k < num_pages_; ++k) ring_[k] = k + 1;
-  head_ = 0;
-  free_count_ = num_pages_;
-  staged_.clear();
-  std::fill(state_.begin(), state_.end(), PageState::kFree);
-  state_[0] = PageState::kHeld;  // the padding page is never handed out nor freed
+  for (int64_t k = 0; k < num_pages_; ++k) list_->ring[k] = k + 1;
+  list_->head = 0;
+  list_->free_count = num_pages_;
+  list_->staged.clear();
+  std::fill(list_->state.begin(), list_->state.end(), PageState::kFree);
+  list_->state[0] = PageState::kHeld;  // the padding page is never handed out nor freed
   group_open_ = false;
   group_index_pages_.clear();
   group_page_ids_.clear();
@@ -47,7 +57,7 @@ void PagePool::reset_state() {
 void PagePool::clear() { reset_state(); }
 
 void PagePool::resize(int64_t size) {
-  PagePool resized(size, geometry_.size, need_sort_);
+  PagePool resized(size, geometry_.size, need_sort_, kind_);
   resized.capacity_ = capacity_;
   *this = std::move(resized);
 }
@@ -60,25 +70,26 @@ void PagePool::restore(const PagePool& state) {
 
 void PagePool::merge() {
   std::vector<int64_t> merged = free_list();
-  merged.insert(merged.end(), staged_.begin(), staged_.end());
+  merged.insert(merged.end(), list_->staged.begin(), list_->staged.end());
   std::sort(merged.begin(), merged.end());
   for (size_t k = 0; k < merged.size(); ++k) {
-    ring_[k] = merged[k];
-    state_[merged[k]] = PageState::kFree;
+    list_->ring[k] = merged[k];
+    list_->state[merged[k]] = PageState::kFree;
   }
-  head_ = 0;
-  free_count_ = static_cast<int64_t>(merged.size());
-  staged_.clear();
+  list_->head = 0;
+  list_->free_count = static_cast<int64_t>(merged.size());
+  list_->staged.clear();
 }
 
 void PagePool::take(int64_t n) {
-  PageState* const state = state_.data();
-  head_ranges(n, [state](const int64_t* first, const int64_t* last) {
-    for (const int64_t* p = first; p != last; ++p) state[*p] = PageState::kHeld;
+  PageState* const state = list_->state.data();
+  const PageState held = kind_.held;
+  head_ranges(n, [state, held](const int64_t* first, const int64_t* last) {
+    for (const int64_t* p = first; p != last; ++p) state[*p] = held;
   });
-  head_ += n;
-  if (head_ >= num_pages_) head_ -= num_pages_;
-  free_count_ -= n;
+  list_->head += n;
+  if (list_->head >= num_pages_) list_->head -= num_pages_;
+  list_->free_count -= n;
 }
 
 void PagePool::validate_batch(const BatchLengths& batch, const LastLoc& last_loc, Call) {
@@ -95,7 +106,8 @@ void PagePool::write_batch(const AllocPlan& plan, const BatchLengths& batch, con
 
 void PagePool::check_last_loc(const BatchLengths& batch, const LastLoc& last_loc) const {
   if (last_loc.data == nullptr) return;  // alloc(): no prefixes
-  const auto state_of_page = [this](int64_t page) { return state_[page]; };
+  // The rules read a held page as kHeld, whichever kind this pool holds.
+  const auto state_of_page = [this](int64_t page) { return holds(page) ? PageState::kHeld : list_->state[page]; };
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j), last = last_loc.data[j];
     const LastLocFault fault = last_loc_fault(last, prefix, geometry_, num_pages_, state_of_page);
@@ -109,7 +121,7 @@ void PagePool::refuse_slot(const char* arg, int64_t index) const {
        ") (page 0 is the padding page)");
 }
 
-void PagePool::refuse_claim(const char* arg, int64_t page) const { fail(arg, "page ", page, claim_refusal(state_[page])); }
+void PagePool::refuse_claim(const char* arg, int64_t page) const { fail(arg, "page ", page, claim_refusal(list_->state[page], kind_)); }
 
 int64_t PagePool::run_end(Span indices, int64_t i, int64_t page) const {
   if (geometry_.shift >= 0) {  // four at a time, without branches between them
@@ -150,7 +162,7 @@ void PagePool::claim_page_ids(Span pages, Call) {
 }
 
 void PagePool::undo_claims_after(size_t mark) {
-  for (size_t k = mark; k < claimed_.size(); ++k) state_[claimed_[k]] = PageState::kHeld;
+  for (size_t k = mark; k < claimed_.size(); ++k) list_->state[claimed_[k]] = kind_.held;
   claimed_.resize(mark);
 }
 
@@ -164,7 +176,7 @@ void PagePool::release_claims(Destination dest, ReleaseOrder order) {
     // Many claims: one pass over the page states lists them in page order faster than a sort.
     claimed_.clear();
     for (int64_t page = 1; page <= num_pages_; ++page)
-      if (state_[page] == PageState::kClaimed) claimed_.push_back(page);
+      if (list_->state[page] == kind_.claimed) claimed_.push_back(page);
     order = ReleaseOrder::kClaimOrder;
   }
   place_released(claimed_, dest, order);
@@ -185,22 +197,22 @@ void PagePool::place_released(std::vector<int64_t>& pages, Destination dest, Rel
 }
 
 PagePool::Releaser::Releaser(PagePool& pool, int64_t n, Destination dest)
-    : pool_(pool), dest_(dest), state_(pool.state_.data()), geometry_(pool.geometry_),
-      num_pages_(pool.num_pages_) {
+    : pool_(pool), dest_(dest), state_(pool.list_->state.data()), geometry_(pool.geometry_),
+      num_pages_(pool.num_pages_), held_(pool.kind_.held) {
   if (std::vector<int64_t>* tail = list()) {
     placed_state_ = dest == Destination::kStaged        ? PageState::kStaged
-                    : dest == Destination::kGroupIndex ? PageState::kQueuedByIndex
+                    : dest == Destination::kGroupIndex ? pool.kind_.queued_by_index
                                                        : PageState::kQueuedByPage;
     list_size_ = tail->size();
     tail->resize(list_size_ + static_cast<size_t>(n));
     ring_ = first_ = tail->data() + list_size_;
   } else {
-    ring_ = first_ = next_ = pool.ring_.data();
+    ring_ = first_ = next_ = pool.list_->ring.data();
     ring_end_ = ring_ + num_pages_;
-    fits_ = n <= num_pages_ - pool.free_count_;  // else the block would overwrite free pages
+    fits_ = n <= num_pages_ - pool.list_->free_count;  // else the block would overwrite free pages
     if (!fits_) return;
     // Appended after the last free page, or prepended: the block ends at the head.
-    int64_t at = dest == Destination::kAppend ? pool.head_ + pool.free_count_ : pool.head_ - n;
+    int64_t at = dest == Destination::kAppend ? pool.list_->head + pool.list_->free_count : pool.list_->head - n;
     if (at >= num_pages_) at -= num_pages_;
     if (at < 0) at += num_pages_;
     first_ = ring_ + at;
@@ -210,7 +222,7 @@ PagePool::Releaser::Releaser(PagePool& pool, int64_t n, Destination dest)
 
 std::vector<int64_t>* PagePool::Releaser::list() {
   switch (dest_) {
-    case Destination::kStaged: return &pool_.staged_;
+    case Destination::kStaged: return &pool_.list_->staged;
     case Destination::kGroupIndex: return &pool_.group_index_pages_;
     case Destination::kGroupPages: return &pool_.group_page_ids_;
     default: return nullptr;
@@ -219,56 +231,70 @@ std::vector<int64_t>* PagePool::Releaser::list() {
 
 void PagePool::Releaser::commit() {
   committed_ = true;
+  if (count_ == 0) return;  // nothing placed: the shared mode's other side may have moved the list since
   if (std::vector<int64_t>* tail = list()) {
     tail->resize(list_size_ + static_cast<size_t>(count_));
     return;
   }
-  if (dest_ == Destination::kPrepend) pool_.head_ = first_ - ring_;  // all n placed: the block ends at the old head
-  pool_.free_count_ += count_;
+  if (dest_ == Destination::kPrepend) pool_.list_->head = first_ - ring_;  // all n placed: the block ends at the old head
+  pool_.list_->free_count += count_;
 }
 
 void PagePool::Releaser::undo() {
   const int64_t* page = first_;
   for (int64_t k = 0; k < count_; ++k) {
-    state_[*page] = PageState::kHeld;
+    state_[*page] = held_;
     if (++page == ring_end_) page = ring_;
   }
   if (std::vector<int64_t>* tail = list()) tail->resize(list_size_);
 }
 
 std::vector<int64_t> PagePool::free_list() const {
-  std::vector<int64_t> pages(static_cast<size_t>(free_count_));
-  for (int64_t k = 0; k < free_count_; ++k) pages[k] = page_at(k);
+  std::vector<int64_t> pages(static_cast<size_t>(list_->free_count));
+  for (int64_t k = 0; k < list_->free_count; ++k) pages[k] = page_at(k);
   return pages;
 }
 
 std::string PagePool::debug_string() const {
   std::ostringstream s;
-  s << "page_size=" << geometry_.size << " pages=" << num_pages_ << " free=" << free_count_
-    << " staged=" << staged_.size() << " held=" << num_pages_ - free_count_ - static_cast<int64_t>(staged_.size())
+  s << "page_size=" << geometry_.size << " pages=" << num_pages_ << " free=" << list_->free_count
+    << " staged=" << list_->staged.size() << " held=" << num_pages_ - list_->free_count - static_cast<int64_t>(list_->staged.size())
     << (group_open_ ? " (free group open)" : "");
   return s.str();
 }
 
-void PagePool::check_invariants() const {
+void PagePool::check_invariants(const PagePool* other_side) const {
   auto broken = [](const std::string& what) { throw std::logic_error("pool invariant broken: " + what); };
-  if (free_count_ < 0 || free_count_ > num_pages_) broken("free count out of range");
-  if (state_[0] != PageState::kHeld) broken("the padding page changed state");
+  if (list_->free_count < 0 || list_->free_count > num_pages_) broken("free count out of range");
+  if (list_->state[0] != PageState::kHeld) broken("the padding page changed state");
   std::vector<int> seen(static_cast<size_t>(num_pages_ + 1), 0);
   auto expect = [&](int64_t page, PageState want, const char* where) {
     if (page < 1 || page > num_pages_) broken(std::string(where) + " holds a page id out of range");
     if (seen[page]++) broken("page " + std::to_string(page) + " is in two places (last seen in " + where + ")");
-    if (state_[page] != want) broken("page " + std::to_string(page) + " in " + where + " has the wrong state");
+    if (list_->state[page] != want) broken("page " + std::to_string(page) + " in " + where + " has the wrong state");
   };
-  for (int64_t k = 0; k < free_count_; ++k) expect(page_at(k), PageState::kFree, "the free list");
-  for (int64_t page : staged_) expect(page, PageState::kStaged, "the staging list");
-  for (int64_t page : group_index_pages_) expect(page, PageState::kQueuedByIndex, "the free group");
-  for (int64_t page : group_page_ids_) expect(page, PageState::kQueuedByPage, "the free group");
-  if (!group_open_ && !(group_index_pages_.empty() && group_page_ids_.empty()))
-    broken("pages queued without an open free group");
-  for (int64_t page = 1; page <= num_pages_; ++page)
-    if (!seen[page] && state_[page] != PageState::kHeld)
-      broken("page " + std::to_string(page) + " is marked free but is in no list");
+  for (int64_t k = 0; k < list_->free_count; ++k) expect(page_at(k), PageState::kFree, "the free list");
+  for (int64_t page : list_->staged) expect(page, PageState::kStaged, "the staging list");
+  std::vector<const PagePool*> sides{this};
+  if (other_side != nullptr) {
+    const PageList& other = *other_side->list_;
+    if (other_side->num_pages_ != num_pages_ || other_side->free_list() != free_list() ||
+        other.staged != list_->staged || other.state != list_->state)
+      broken("the shared mode's two sides do not hold one list");
+    sides.push_back(other_side);
+  }
+  for (const PagePool* side : sides) {
+    for (int64_t page : side->group_index_pages_) expect(page, side->kind_.queued_by_index, "the free group");
+    for (int64_t page : side->group_page_ids_) expect(page, PageState::kQueuedByPage, "the free group");
+    if (!side->group_open_ && !(side->group_index_pages_.empty() && side->group_page_ids_.empty()))
+      broken("pages queued without an open free group");
+  }
+  for (int64_t page = 1; page <= num_pages_; ++page) {
+    if (seen[page]) continue;
+    bool held = false;
+    for (const PagePool* side : sides) held = held || side->holds(page);
+    if (!held) broken("page " + std::to_string(page) + " is marked free but is in no list");
+  }
 }
 
 std::vector<int64_t> PagePool::queued_by_index() const {
@@ -280,7 +306,7 @@ std::vector<int64_t> PagePool::queued_by_index() const {
 
 bool PagePool::operator==(const PagePool& o) const {
   return size_ == o.size_ && geometry_.size == o.geometry_.size && need_sort_ == o.need_sort_ &&
-         free_list() == o.free_list() && staged_ == o.staged_ && state_ == o.state_ && group_open_ == o.group_open_ &&
+         free_list() == o.free_list() && list_->staged == o.list_->staged && list_->state == o.list_->state && group_open_ == o.group_open_ &&
          queued_by_index() == o.queued_by_index() && group_page_ids_ == o.group_page_ids_;
 }
 

@@ -15,17 +15,50 @@
 
 namespace swa {
 
-// The page of slot if it lies in a pool of num_pages pages and is held, so that a free
-// may claim it; -1 where claiming it (a repeat being a double free) would throw.
-inline int64_t held_page(int64_t slot, const PageGeometry& geometry, int64_t num_pages, const PageState* state) {
+// The page of slot if it lies in a pool of num_pages pages and is held (in state
+// `held`), so that a free may claim it; -1 where claiming it (a repeat being a double
+// free) would throw.
+inline int64_t held_page(int64_t slot, const PageGeometry& geometry, int64_t num_pages, const PageState* state,
+                         PageState held) {
   if (!slot_in_pool(slot, geometry, num_pages)) return -1;
   const int64_t page = geometry.page(slot);
-  return state[page] == PageState::kHeld ? page : -1;
+  return state[page] == held ? page : -1;
 }
+
+// A pool's free list, staging list and page states: its own, or in the shared mode one
+// for the full and the SWA side. A copy of a pool (a snapshot) copies them; an
+// assignment (restore, resize) writes them in place, so that both sides keep sharing.
+struct PageList {
+  // The free list is ring[head .. head + free_count) modulo the pool's pages: the page
+  // pool prepends and the token pool appends, and both fit because a page is in at
+  // most one place.
+  std::vector<int64_t> ring;
+  int64_t head = 0, free_count = 0;
+  std::vector<int64_t> staged;
+  std::vector<PageState> state;  // indexed by page id; page 0 is the padding page
+};
+class PageListRef {
+ public:
+  PageListRef() : list_(std::make_shared<PageList>()) {}
+  PageListRef(const PageListRef& other) : list_(std::make_shared<PageList>(*other.list_)) {}
+  PageListRef& operator=(const PageListRef& other) {
+    if (list_ != other.list_) *list_ = *other.list_;
+    return *this;
+  }
+  void share(const PageListRef& other) { list_ = other.list_; }
+  PageList* operator->() const { return list_.get(); }
+  const PageList& operator*() const { return *list_; }
+
+ private:
+  std::shared_ptr<PageList> list_;
+};
 
 class PagePool final : public PoolStore {
  public:
-  PagePool(int64_t size, int64_t page_size, bool need_sort);
+  PagePool(int64_t size, int64_t page_size, bool need_sort, const PageKind& kind = kFullPages);
+  // The shared mode's SWA side: full_side's pages and lists, its own kind (SWA pages),
+  // claims and free-group queues.
+  static std::shared_ptr<PagePool> swa_side_of(const PagePool& full_side);
   // A pool with the given contents (a device pool's snapshot); check_invariants() vets it.
   static PagePool from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
                              std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
@@ -37,8 +70,8 @@ class PagePool final : public PoolStore {
   const PageGeometry& geometry() const override { return geometry_; }
   int64_t num_pages() const override { return num_pages_; }
   bool need_sort() const override { return need_sort_; }
-  int64_t free_pages() override { return free_count_; }
-  int64_t staged_pages() override { return static_cast<int64_t>(staged_.size()); }
+  int64_t free_pages() override { return list_->free_count; }
+  int64_t staged_pages() override { return static_cast<int64_t>(list_->staged.size()); }
   bool group_open() const override { return group_open_; }
   void set_group_open(bool open) override { group_open_ = open; }
   void check_usable() override {}
@@ -67,11 +100,14 @@ class PagePool final : public PoolStore {
     if (!slot_in_pool(index, geometry_, num_pages_)) refuse_slot(arg, index);
     return geometry_.page(index);
   }
-  PageState state(int64_t page) const { return state_[page]; }
-  const PageState* states() const { return state_.data(); }
+  PageState state(int64_t page) const { return list_->state[page]; }
+  const PageState* states() const { return list_->state.data(); }
+  const PageKind& kind() const { return kind_; }
+  // Whether this pool holds page (as its kind).
+  bool holds(int64_t page) const { return list_->state[page] == kind_.held; }
   int64_t page_at(int64_t k) const {  // k-th page of the free list
-    int64_t pos = head_ + k;
-    return ring_[pos >= num_pages_ ? pos - num_pages_ : pos];
+    int64_t pos = list_->head + k;
+    return list_->ring[pos >= num_pages_ ? pos - num_pages_ : pos];
   }
   // The free list from its head, in hand-out order, as a loop reads it with locals.
   struct HeadPages {
@@ -83,7 +119,11 @@ class PagePool final : public PoolStore {
       return page;
     }
   };
-  HeadPages head_pages() const { return HeadPages{ring_.data(), head_, num_pages_}; }
+  // skip: pages another side takes first (the shared mode's full pages of a call).
+  HeadPages head_pages(int64_t skip = 0) const {
+    const int64_t at = list_->head + skip;
+    return HeadPages{list_->ring.data(), at >= num_pages_ ? at - num_pages_ : at, num_pages_};
+  }
   // The end of the run of slots in page `page` that starts at indices[i].
   int64_t run_end(Span indices, int64_t i, int64_t page) const;
   // Checks that each request's last_loc ends its prefix in a page of this pool.
@@ -96,11 +136,11 @@ class PagePool final : public PoolStore {
   // Marks page as claimed by this call; repeat_ok: it may already be (free() frees
   // pages, so several slots of one page are one free).
   void claim(const char* arg, int64_t page, bool repeat_ok) {
-    PageState& s = state_[page];
-    if (s == PageState::kHeld) {
-      s = PageState::kClaimed;
+    PageState& s = list_->state[page];
+    if (s == kind_.held) {
+      s = kind_.claimed;
       claimed_.push_back(page);
-    } else if (!repeats_a_claim(s, repeat_ok)) {
+    } else if (!repeats_a_claim(s, repeat_ok, kind_)) {
       refuse_claim(arg, page);
     }
   }
@@ -109,16 +149,16 @@ class PagePool final : public PoolStore {
   // which the loop would otherwise read again at every claim.
   class Claimer {
    public:
-    Claimer(PagePool& pool, int64_t n) : pool_(pool), state_(pool.state_.data()), geometry_(pool.geometry_),
-                                         num_pages_(pool.num_pages_) {
+    Claimer(PagePool& pool, int64_t n) : pool_(pool), state_(pool.list_->state.data()), geometry_(pool.geometry_),
+                                         num_pages_(pool.num_pages_), kind_(pool.kind_) {
       pool.claimed_.reserve(pool.claimed_.size() + static_cast<size_t>(n));
     }
     // Claims the page of slot; false, with nothing changed, where claim(arg,
     // page_of(arg, slot), false) would throw.
     bool claim_slot(int64_t slot) {
-      const int64_t page = held_page(slot, geometry_, num_pages_, state_);
+      const int64_t page = held_page(slot, geometry_, num_pages_, state_, kind_.held);
       if (page < 0) return false;
-      state_[page] = PageState::kClaimed;
+      state_[page] = kind_.claimed;
       pool_.claimed_.push_back(page);
       return true;
     }
@@ -133,6 +173,7 @@ class PagePool final : public PoolStore {
     PageState* const state_;
     const PageGeometry geometry_;
     const int64_t num_pages_;
+    const PageKind kind_;
   };
   // claim(arg, page_of(arg, slot), false) for the n slots slot_at(0 .. n-1).
   template <class SlotAt>
@@ -163,7 +204,7 @@ class PagePool final : public PoolStore {
     // in one step. False, with nothing changed, where a claim of it (a repeat being a
     // double free) would throw.
     bool release_slot(int64_t slot) {
-      const int64_t page = held_page(slot, geometry_, num_pages_, state_);
+      const int64_t page = held_page(slot, geometry_, num_pages_, state_, held_);
       if (page < 0) return false;
       place(page);
       return true;
@@ -185,6 +226,7 @@ class PagePool final : public PoolStore {
     PageState* const state_;
     const PageGeometry geometry_;
     const int64_t num_pages_;
+    const PageState held_;
     PageState placed_state_ = PageState::kFree;
     int64_t* ring_ = nullptr;      // the storage placed into: the ring, or the list's new tail
     int64_t* ring_end_ = nullptr;  // where the ring wraps (nullptr for a list)
@@ -200,12 +242,13 @@ class PagePool final : public PoolStore {
 
   // The snapshot's contents.
   std::vector<int64_t> free_list() const;  // in hand-out order
-  const std::vector<int64_t>& staged_list() const { return staged_; }
+  const std::vector<int64_t>& staged_list() const { return list_->staged; }
   const std::vector<int64_t>& group_index_pages() const { return group_index_pages_; }
   const std::vector<int64_t>& group_page_ids() const { return group_page_ids_; }
   std::string debug_string() const;
-  // Throws std::logic_error naming the first broken invariant.
-  void check_invariants() const;
+  // Throws std::logic_error naming the first broken invariant; other_side: the shared
+  // mode's other side, whose queues and held pages are checked with this pool's.
+  void check_invariants(const PagePool* other_side = nullptr) const;
   bool operator==(const PagePool& other) const;
 
  private:
@@ -215,9 +258,11 @@ class PagePool final : public PoolStore {
   // contiguous ranges of the ring.
   template <class Visit>
   void head_ranges(int64_t n, const Visit& visit) const {
-    const int64_t first = n < num_pages_ - head_ ? n : num_pages_ - head_;
-    visit(ring_.data() + head_, ring_.data() + head_ + first);
-    if (first < n) visit(ring_.data(), ring_.data() + (n - first));
+    const int64_t* const ring = list_->ring.data();
+    const int64_t head = list_->head;
+    const int64_t first = n < num_pages_ - head ? n : num_pages_ - head;
+    visit(ring + head, ring + head + first);
+    if (first < n) visit(ring, ring + (n - first));
   }
   void reset_state();
   // Pages to dest, in the order given or sorted.
@@ -228,13 +273,8 @@ class PagePool final : public PoolStore {
   int64_t capacity_;
   PageGeometry geometry_;
   bool need_sort_;
-  // The free list is ring_[head_ .. head_ + free_count_) modulo num_pages_: the page
-  // pool prepends and the token pool appends, and both fit because a page is in at
-  // most one place.
-  std::vector<int64_t> ring_;
-  int64_t head_ = 0, free_count_ = 0;
-  std::vector<int64_t> staged_;
-  std::vector<PageState> state_;  // indexed by page id; page 0 is the padding page
+  PageKind kind_;
+  PageListRef list_;
   bool group_open_ = false;
   std::vector<int64_t> group_index_pages_;  // pages of free() calls held by the group
   std::vector<int64_t> group_page_ids_;     // pages of free_page_ids calls held by the group
@@ -251,9 +291,9 @@ void PagePool::write_slots(const BatchLengths& batch, int64_t num_tokens, const 
   // Locals, and out marked as aliasing nothing: else every store into it makes the
   // loop read the pool's members and the lengths again.
   int64_t* __restrict dst = out;
-  const int64_t* const ring = ring_.data();
+  const int64_t* const ring = list_->ring.data();
   const int64_t num_pages = num_pages_;
-  int64_t first = head_;  // the ring position of the request's first new page
+  int64_t first = list_->head;  // the ring position of the request's first new page
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j), seq = batch.seq_lens[j];
     const int64_t last = prefix_end(j);

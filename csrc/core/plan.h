@@ -41,14 +41,15 @@ struct LastLoc {
 
 // A pool of `size` slots in pages of page_size slots (constructor and resize rule).
 void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size);
-// The hybrid allocator's two pools, checked before either is built.
-void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size);
+// The hybrid allocator's two pools, checked before either is built; shared: the shared
+// mode, whose one list of `size` slots serves both kinds (size_swa must equal size).
+void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shared);
 // The rule of resize() for every pool: at least one page, and no more slots than the
 // pool was built with (its index arrays, device memory and the mapping table were sized then).
 void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity);
 // resize() of the hybrid allocator: both pools checked before either changes.
 void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
-                         int64_t swa_capacity);
+                         int64_t swa_capacity, bool shared);
 // restore_state of a snapshot: it must come from an allocator (pool) of this shape.
 void check_state_shape(const char* what, bool same_shape);
 
@@ -86,8 +87,11 @@ AllocPlan plan_decode(const BatchLengths& batch, const LastLoc& last_loc, const 
 void check_num_new_pages(int64_t num_new_pages, const AllocPlan& plan);
 
 enum class PoolRole { kFull, kSwa };
+// Whether both kinds of pages fit: each in its pool, or in the shared mode (shared: one
+// list, whose available pages both counts read) their sum in the one list.
 inline bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages, int64_t full_available_pages,
-                                int64_t swa_available_pages) {
+                                int64_t swa_available_pages, bool shared) {
+  if (shared) return static_cast<__int128>(num_full_pages) + num_swa_pages <= full_available_pages;
   return num_full_pages <= full_available_pages && num_swa_pages <= swa_available_pages;
 }
 // need_sort's merge trigger of the call on one pool, given its free (not staged) pages.
@@ -108,8 +112,16 @@ inline bool merge_due(const AllocPlan& plan, PoolRole pool, int64_t free_pages, 
   return false;
 }
 
-inline bool hybrid_refused(const AllocPlan& plan, int64_t full_available_pages, int64_t swa_available_pages) {
-  return !new_pages_available(plan.full_pages, plan.swa_pages, full_available_pages, swa_available_pages);
+inline bool hybrid_refused(const AllocPlan& plan, int64_t full_available_pages, int64_t swa_available_pages,
+                           bool shared) {
+  return !new_pages_available(plan.full_pages, plan.swa_pages, full_available_pages, swa_available_pages, shared);
+}
+// need_sort's merge trigger of the shared mode's one list: each side's trigger, with the
+// free pages the other side takes first set aside, so that a call never takes more
+// pages than the list holds after it.
+inline bool shared_merge_due(const AllocPlan& plan, int64_t free_pages, const PageGeometry& page) {
+  return merge_due(plan, PoolRole::kFull, free_pages - plan.swa_pages, page) ||
+         merge_due(plan, PoolRole::kSwa, free_pages - plan.full_pages, page);
 }
 // A hybrid allocation is refused, before anything changes (merges included), unless both
 // pools hold its pages (hybrid_refused); a lone pool merges first and refuses on its free

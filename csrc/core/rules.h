@@ -21,7 +21,20 @@ enum class PageState : uint8_t {
   kQueuedByIndex,  // freed by free() inside an open free group
   kQueuedByPage,   // freed by page id (free_page_ids / *_segment) inside an open free group
   kClaimed,        // transient: claimed by the call in progress
+  // The shared mode's SWA pages: one free list serves both kinds, so a page's state
+  // says which kind holds it, and a free of the other kind is caught as misuse.
+  kHeldSwa,
+  kClaimedSwa,
+  kQueuedByIndexSwa,
 };
+
+// The states a pool's pages take while out of the free list: a pool of the default mode
+// (and the shared mode's full side) holds full pages, the shared mode's SWA side SWA pages.
+struct PageKind {
+  PageState held, claimed, queued_by_index;
+};
+constexpr PageKind kFullPages{PageState::kHeld, PageState::kClaimed, PageState::kQueuedByIndex};
+constexpr PageKind kSwaPages{PageState::kHeldSwa, PageState::kClaimedSwa, PageState::kQueuedByIndexSwa};
 
 // Where released pages go.
 enum class Destination : int32_t {
@@ -45,8 +58,8 @@ SWA_HD Destination release_destination(bool group_open, bool by_index, bool need
 // A free may name a held page; with repeat_ok (free() and free_swa() of a page pool,
 // whose slots stand for their pages) also a page this call or an earlier free() of the
 // open group already names: the group's end frees the union of its free() calls.
-SWA_HD bool repeats_a_claim(PageState state, bool repeat_ok) {
-  return repeat_ok && (state == PageState::kClaimed || state == PageState::kQueuedByIndex);
+SWA_HD bool repeats_a_claim(PageState state, bool repeat_ok, const PageKind& kind) {
+  return repeat_ok && (state == kind.claimed || state == kind.queued_by_index);
 }
 
 // Page arithmetic of one page size on non-negative slots and lengths. Page sizes are
@@ -105,12 +118,13 @@ SWA_HD bool evicted_len_ok(int64_t evicted, int64_t pre_len, const PageGeometry&
   return evicted >= 0 && evicted <= pre_len && page.offset(evicted) == 0;
 }
 
-// Whether swa_last, the mapped SWA slot of full slot last_loc, can be continued.
+// Whether swa_last, the mapped SWA slot of full slot last_loc, can be continued: its
+// page held as an SWA page (swa_held: the state the SWA pool's held pages take).
 template <class StateOfPage>
 SWA_HD bool swa_continuation_ok(int64_t last_loc, int64_t swa_last, const PageGeometry& page, int64_t swa_num_pages,
-                                const StateOfPage& swa_state_of_page) {
+                                const StateOfPage& swa_state_of_page, PageState swa_held) {
   return swa_last > 0 && slot_in_pool(swa_last, page, swa_num_pages) && page.offset(swa_last) == page.offset(last_loc) &&
-         swa_state_of_page(page.page(swa_last)) == PageState::kHeld;
+         swa_state_of_page(page.page(swa_last)) == swa_held;
 }
 
 // need_sort's merge trigger before an extend-shaped allocation: the free list is

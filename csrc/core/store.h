@@ -101,6 +101,9 @@ class HybridStore {
   virtual std::shared_ptr<PoolStore> full_ptr() const = 0;
   virtual std::shared_ptr<PoolStore> swa_ptr() const = 0;
   virtual int64_t mapping_len() const = 0;
+  // The shared mode: full() and swa() are the two sides of one free list (the full side
+  // holding pages as full, the SWA side as SWA pages).
+  virtual bool shared() const = 0;
   // Which code runs the ops: "cpu", "emulated" (the device algorithm on the host) or "cuda".
   virtual const char* kernels() const = 0;
   // How many times the host has waited for the device.

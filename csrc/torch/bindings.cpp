@@ -266,10 +266,13 @@ namespace swa_bindings {
 
 struct HybridHandle {
   HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev,
-               const std::string& kernels)
+               const std::string& kernels, bool shared)
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
-    const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size);
+    const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size, shared);
     std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
+    if (shared && executor)
+      throw py::value_error("shared: the shared mode runs on kernels='cpu' only for now, got kernels='" +
+                            std::string(executor->kernels()) + "'");
     const auto demands = {pool_demand("size", size, page_size, true),
                           pool_demand("size_swa", size_swa, page_size, false)};
     build_pools(device, demands, [&] {
@@ -281,7 +284,8 @@ struct HybridHandle {
         store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, debug, table,
                                                          mapping_len);
       else
-        store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, table, mapping_len);
+        store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, shared, table,
+                                                       mapping_len);
       alloc = std::make_unique<swa::HybridAllocator>(std::move(store));
     });
   }
@@ -569,17 +573,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<HybridHandle>(m, "HybridAllocator", swa_docs::hybrid_class)
       .def(py::init([](int64_t size, int64_t size_swa, int64_t page_size, const py::object& device, bool need_sort,
-                       const std::string& kernels) {
-             return std::make_unique<HybridHandle>(size, size_swa, page_size, need_sort, device_arg(device), kernels);
+                       const std::string& kernels, bool shared) {
+             return std::make_unique<HybridHandle>(size, size_swa, page_size, need_sort, device_arg(device), kernels,
+                                                   shared);
            }),
            swa_docs::hybrid_init, py::arg("size"), py::arg("size_swa"), py::arg("page_size"), py::arg("device"), py::arg("need_sort"),
-           py::arg("kernels") = "auto")
+           py::arg("kernels") = "auto", py::arg("shared") = false)
       .def_property_readonly("page_size", [](const HybridHandle& h) { return h.alloc->page_size(); }, swa_docs::hybrid_page_size)
       .def_property_readonly("size", [](const HybridHandle& h) { return std::min(h.alloc->full().size(), h.alloc->swa().size()); },
                              swa_docs::hybrid_size)
       .def_property_readonly("size_full", [](const HybridHandle& h) { return h.alloc->full().size(); }, swa_docs::hybrid_size_full)
       .def_property_readonly("size_swa", [](const HybridHandle& h) { return h.alloc->swa().size(); }, swa_docs::hybrid_size_swa)
       .def_property_readonly("need_sort", [](const HybridHandle& h) { return h.alloc->full().need_sort(); }, swa_docs::hybrid_need_sort)
+      .def_property_readonly("shared", [](const HybridHandle& h) { return h.alloc->shared(); }, swa_docs::hybrid_shared)
       .def_property_readonly("device", [](const HybridHandle& h) { return h.device; }, swa_docs::hybrid_device)
       .def_property_readonly("kernels", [](const HybridHandle& h) { return h.alloc->store().kernels(); }, swa_docs::hybrid_kernels)
       .def_property_readonly("full_to_swa_index_mapping", [](const HybridHandle& h) { return h.mapping; }, swa_docs::hybrid_full_to_swa_index_mapping)

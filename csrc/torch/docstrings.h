@@ -163,6 +163,8 @@ inline constexpr char hybrid_class[] =
 inline constexpr char hybrid_init[] =
     "size, size_swa: the full and SWA pools' slots (tokens), at least one page each;\n"
     "page_size: slots per page, the same in both pools;\n" SWA_DOC_INIT_DEVICE_ARGS
+    "shared: the shared mode (SPEC.md section 7): one list of size slots serves full and SWA\n"
+    "pages, size_swa must equal size;\n"
     SWA_DOC_INIT_RAISES("size or size_swa");
 
 inline constexpr char hybrid_page_size[] = "Slots (tokens) per page, the same in both pools.";
@@ -170,6 +172,8 @@ inline constexpr char hybrid_size[] = "min(size_full, size_swa), in slots (token
 inline constexpr char hybrid_size_full[] = "The full-attention pool's capacity in slots (tokens).";
 inline constexpr char hybrid_size_swa[] = "The SWA pool's capacity in slots (tokens).";
 inline constexpr char hybrid_need_sort[] = "Whether freed pages are staged and merged sorted.";
+inline constexpr char hybrid_shared[] =
+    "Whether the allocator runs in the shared mode: one free list of pages serves full and SWA pages.";
 inline constexpr char hybrid_device[] = "The torch.device of the pools, the mapping and every returned index tensor.";
 inline constexpr char hybrid_kernels[] =
     "Which implementation runs the calls: 'cpu' (the CPU core), 'cuda' (GPU kernels) or\n"

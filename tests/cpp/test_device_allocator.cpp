@@ -24,9 +24,9 @@ struct Pair {
   HybridAllocator dev;
   // threads: the emulation's (HostExecutor).
   Pair(int64_t size, int64_t size_swa, int64_t ps, bool need_sort, bool debug = false, int threads = 0)
-      : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps))),
+      : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, false))),
         dev_mapping(cpu_mapping.size()),
-        cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, cpu_mapping.data(), len())),
+        cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, false, cpu_mapping.data(), len())),
         exec(std::make_shared<HostExecutor>(0, threads)),
         dev_store(new DeviceHybridStore(exec, size, size_swa, ps, need_sort, debug, dev_mapping.data(), len())),
         dev(std::unique_ptr<HybridStore>(dev_store)) {}

@@ -15,8 +15,8 @@ struct Fixture {
   V mapping;
   HybridAllocator alloc;
   Fixture(int64_t size, int64_t size_swa, int64_t ps, bool need_sort = false)
-      : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps))),
-        alloc(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, mapping.data(),
+      : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, false))),
+        alloc(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, false, mapping.data(),
                                                 static_cast<int64_t>(mapping.size()))) {}
 
   V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {

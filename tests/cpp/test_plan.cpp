@@ -72,7 +72,7 @@ TEST(Plan, ReleaseDestination) {
 
 TEST(Plan, ShapeAndGroupChecksNameTheArgument) {
   try {
-    check_hybrid_shape(64, 8, 16);
+    check_hybrid_shape(64, 8, 16, false);
     FAIL();
   } catch (const ArgumentError& e) {
     EXPECT_EQ(std::string(e.what()).rfind("size_swa:", 0), 0u) << e.what();
