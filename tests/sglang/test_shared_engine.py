@@ -13,16 +13,15 @@ on the CPU, SGLang's strict memory and KV-page checks on, each run its own proce
 import json
 import os
 import re
-import subprocess
-import sys
-import time
 
 import pytest
 
+import capacity_run
 import pd_harness
-from test_engine import DEFAULT_POOL, run_engine, swa_ext_lines
+from test_engine import DEFAULT_POOL, run_engine, run_script, swa_ext_lines
 from test_spec_engine import run_spec_engine
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED_LINE = re.compile(r"swa_ext: shared mode: one budget of (\d+) slots for full and SWA KV, in the bytes SGLang "
                          r"sized for (\d+) full and (\d+) SWA tokens")
 SGLANG_SIZES = re.compile(r"full_layer_tokens=(\d+), swa_layer_tokens=(\d+)")
@@ -30,11 +29,10 @@ SGLANG_SIZES = re.compile(r"full_layer_tokens=(\d+), swa_layer_tokens=(\d+)")
 
 def sizes(log):
     """(SGLang's full and SWA token counts, the shared mode's slots or None) from a run's log."""
-    sglang = SGLANG_SIZES.findall(log)
-    assert len(sglang) == 1, sglang
+    sglang = SGLANG_SIZES.findall(log)  # from the profiled bytes, then at --max-total-tokens: the last one holds
     shared = SHARED_LINE.findall(log)
     assert len(shared) <= 1, shared
-    return tuple(map(int, sglang[0])), (tuple(map(int, shared[0])) if shared else None)
+    return tuple(map(int, sglang[-1])), (tuple(map(int, shared[0])) if shared else None)
 
 
 def check_shared_served(log, page_size):
@@ -57,48 +55,35 @@ def test_shared_mode_gives_sglangs_outputs(tiny_model, page_size):
     assert sizes(shared["log"])[0] == sizes(reference["log"])[0]
 
 
-# Prompts of 960 tokens (15 windows of the tiny model), 16 new tokens each, on SGLang's
-# 0.8 fallback ratio: SGLang's full pool fits four such requests while its SWA pool, sized
-# for 0.8 of their tokens, holds little more than each one's window once decoding starts.
-CAPACITY_PROMPTS = [[(13 * i + 7 * j + j * j % 17) % 500 + 3 for j in range(960)] for i in range(10)]
-CAPACITY_NEW_TOKENS = 16
-CAPACITY_ARGS = {"page_size": 16, "max_total_tokens": 4096, "max_running_requests": 32, "decode_log_interval": 1}
-
-
-def capacity_run(model, mode):
-    """One engine on the capacity workload: its log and outputs."""
+def run_capacity(model, mode):
+    """One engine on capacity_run.py's workload: its log, outputs and the requests running
+    at each decode step, as the scheduler logged them."""
     out_dir = os.path.join(os.path.dirname(model), f"capacity-{mode}")
     os.makedirs(out_dir, exist_ok=True)
-    spec_path, result = os.path.join(out_dir, "spec.json"), os.path.join(out_dir, "result.json")
-    with open(spec_path, "w") as f:
-        json.dump({"model": model, "rounds": [CAPACITY_PROMPTS], "new_tokens": CAPACITY_NEW_TOKENS,
-                   "engine_args": CAPACITY_ARGS}, f)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, pd_harness.__file__, "engine", spec_path, result], timeout=900,
-                          env=pd_harness.node_env(mode, os.path.join(out_dir, "probe")), capture_output=True,
-                          text=True, start_new_session=True)
-    log = proc.stdout + proc.stderr
-    with open(os.path.join(out_dir, "log.txt"), "w") as f:
-        f.write(log)
+    result = os.path.join(out_dir, "result.json")
+    env = pd_harness.node_env(mode, os.path.join(out_dir, "probe"))  # strict checks on, SWA freed every 16 steps
+    proc, log, _, wall = run_script([os.path.join(HERE, "capacity_run.py"), model, result], env, out_dir,
+                                    os.path.join(out_dir, "lockstep.json"))
     assert proc.returncode == 0 and os.path.exists(result), f"capacity run failed ({mode}):\n{log[-6000:]}"
     with open(result) as f:
-        outputs = json.load(f)["rounds"][0]
+        outputs = json.load(f)["outputs"]
     running = [int(n) for n in re.findall(r"Decode batch, #running-req: (\d+)", log)]
-    print(f"capacity run {mode}: {time.monotonic() - start:.0f} s, most requests running at once {max(running)}")
+    print(f"capacity run {mode}: {wall:.0f} s, most requests running at once {max(running)}")
     return {"log": log, "outputs": outputs, "running": running}
 
 
 def test_shared_mode_holds_more_requests_where_sglangs_split_mis_sizes(tiny_model):
     """Same KV bytes (SGLang's own sizing line, the same in both runs); the most requests
     the scheduler decoded at once, from its own log line of every decode step."""
-    runs = {mode: capacity_run(tiny_model, mode) for mode in ("sglang", "shared")}
-    check_shared_served(runs["shared"]["log"], CAPACITY_ARGS["page_size"])
+    runs = {mode: run_capacity(tiny_model, mode) for mode in ("sglang", "shared")}
+    check_shared_served(runs["shared"]["log"], capacity_run.ENGINE_ARGS["page_size"])
     assert sizes(runs["shared"]["log"])[0] == sizes(runs["sglang"]["log"])[0]
     most = {mode: max(run["running"]) for mode, run in runs.items()}
     print(f"most requests decoding at once: SGLang's split {most['sglang']}, shared {most['shared']} "
           f"({most['shared'] / most['sglang']:.2f}x)")
     assert most["shared"] >= 1.3 * most["sglang"], most
-    assert all(len(o) == CAPACITY_NEW_TOKENS for run in runs.values() for o in run["outputs"])
+    assert all(len(o) == capacity_run.NEW_TOKENS for run in runs.values() for o in run["outputs"])
+    assert "out of memory" not in runs["shared"]["log"].lower()
 
 
 def test_ngram_speculative_decoding_in_the_shared_mode(tiny_model):
