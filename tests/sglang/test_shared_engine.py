@@ -87,11 +87,17 @@ def test_shared_mode_holds_more_requests_where_sglangs_split_mis_sizes(tiny_mode
 
 
 def test_ngram_speculative_decoding_in_the_shared_mode(tiny_model):
-    """NGRAM (one chain of 4 draft tokens), page 16, eviction every step, a pool that makes
-    requests wait: the outputs and verify counts of SGLang's allocator."""
+    """NGRAM (one chain of 4 draft tokens), page 16, eviction every step, SGLang's pool of
+    320 tokens a side (640 slots in the shared mode; requests wait in both): the
+    outputs and cached tokens of SGLang's allocator, and verifies that committed drafts.
+    The verify counts themselves follow the batches (NGRAM drafts from every request's
+    tokens so far), which the larger budget changes."""
     run = lambda mode: run_spec_engine(tiny_model, None, "NGRAM", 4, 16, 1, mode)  # noqa: E731
     reference, shared = run("sglang"), run("shared")
     assert reference.rows is not None, f"SGLang's own run failed:\n{reference.log[-6000:]}"
     assert shared.rows is not None, f"the shared run failed:\n{shared.log[-6000:]}"
-    assert shared.rows == reference.rows
+    for key in ("output_ids", "cached_tokens"):
+        assert [r[key] for r in shared.rows] == [r[key] for r in reference.rows], key
+    verifies = [(r["spec_verify_ct"], len(r["output_ids"])) for r in shared.rows]
+    assert all(0 < v <= n for v, n in verifies) and any(v < n - 1 for v, n in verifies), verifies
     check_shared_served(shared.log, 16)
