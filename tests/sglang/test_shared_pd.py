@@ -39,14 +39,16 @@ def node_runs(tiny_model):
 
 
 def test_shared_decode_node_serves_sglangs_outputs_on_the_tail_path(node_runs):
-    reference = node_runs["page16", "sglang"]
+    """Page 16: SGLang's outputs. The tight pool: a preallocation waits, none fails, every
+    page comes back. (Its outputs are not compared: the fake transfer writes no KV, so a
+    request that waits decodes over what its recycled slots last held.)"""
     for config in ("page16", "page16-tight"):
         run = node_runs[config, "shared"]
         test_pd_node.check_run(run, "shared")  # the shared allocator served; every page free at the end
         test_pd_node.check_tail_path(run)
         check_shared_served(run["log"], 16)
-        assert run["outputs"] == reference["outputs"], config
         assert "out of memory" not in run["log"].lower()
+    assert node_runs["page16", "shared"]["outputs"] == node_runs["page16", "sglang"]["outputs"]
     assert re.search(r"#prealloc-req: [1-9]", node_runs["page16-tight", "shared"]["log"]), "no preallocation waited"
 
 
