@@ -5,6 +5,9 @@ The package, one file for each part:
 - ``adapters``: the classes that ARE SGLang 0.5.23's allocator types, served by swa_ext;
 - ``lockstep``: SGLang's own allocator shadowing every call (``LockstepDivergence``);
 - ``installer``: which allocator SGLang builds, and ``install()`` / ``uninstall()``;
+- ``shared``, ``shared_pool``: the shared mode (``SWA_EXT_SHARED=1``): one budget of pages
+  for full and SWA KV, the scheduler's capacity gates priced on it, the KV pool whose SWA
+  layers use the full layers' storage, sized at SGLang's KV bytes;
 - ``hooks``: the scheduler's per-step SWA bookkeeping (``maybe_evict_swa``) as one
   native call (docs/sglang-eviction.md).
 
@@ -22,6 +25,9 @@ allocators. SGLang loads ``swa_ext.sglang_plugin.plugin`` (entry point group
 - ``lockstep``: as ``all``, and SGLang's own allocator shadows every call (hybrid and
   sub-allocator calls); the first difference in returned indices, available sizes or
   the mapping raises ``LockstepDivergence`` naming the call and its arguments.
+
+``SWA_EXT_SHARED=1`` beside ``1`` or ``all`` installs the shared mode; a configuration it
+cannot serve is refused at start-up in one line.
 
 Where swa_ext cannot serve a configuration (the per-request SWA ring, a device other
 than cpu/cuda, a platform's own paged allocator such as the NPU's, cuda with a CPU-only

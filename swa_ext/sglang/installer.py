@@ -20,6 +20,8 @@ from . import hooks
 from .adapters import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 from .lockstep import (LockstepPagedTokenToKVPoolAllocator, LockstepSWATokenToKVPoolAllocator,
                        LockstepTokenToKVPoolAllocator, _attach_shadow, _Lockstep)
+from .shared import SharedSWATokenToKVPoolAllocator
+from .shared_pool import SharedModeRefused, SharedSWAKVPool, shared_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +70,22 @@ def _stand_in(sglang_class, build):
                                                 "__doc__": _StandIn.__doc__})
 
 
-def _swa_builder(lockstep):
+def _swa_builder(lockstep, shared):
     hybrid = LockstepSWATokenToKVPoolAllocator if lockstep else SWATokenToKVPoolAllocator
+    if shared:
+        hybrid = SharedSWATokenToKVPoolAllocator
 
     def build(size, size_swa, page_size, dtype, device, kvcache, need_sort, req_to_token_pool=None):
         args = (size, size_swa, page_size, dtype, device, kvcache, need_sort, req_to_token_pool)
         reason = _reason_not_served(device, page_size)
         if reason is None and getattr(kvcache, "swa_req_ring_size", None) is not None:
             reason = "the per-request SWA ring (kvcache.swa_req_ring_size) is SGLang's alone"
+        if shared and reason is not None:  # the KV pool's layers already share storage: SGLang's allocator cannot
+            raise SharedModeRefused(reason)
+        if shared:
+            return _serve(sglang_swa.SWATokenToKVPoolAllocator, hybrid, None, args, {},
+                          lambda a: f"one budget of {a.size} tokens for full and SWA pages, shared mode "
+                                    f"(kernels {a.kernels})")
         return _serve(sglang_swa.SWATokenToKVPoolAllocator, hybrid, reason, args, {},
                       lambda a: f"a full pool of {a.size_full} tokens and an SWA pool of {a.size_swa} tokens "
                                 f"(kernels {a.kernels})")
@@ -113,12 +123,12 @@ def _warn_if_built_elsewhere(configurator, allocator_given, pools):
             isinstance(built, (_C.HybridAllocator, _C.PoolAllocator)):
         return
     if kv_cache_configurator.get_memory().enable_unified_memory:
-        why = ("--enable-unified-memory: SGLang builds its unified allocator in kv_cache_configurator.py before "
-               "the allocator names swa_ext replaces are reached")
-    else:
-        why = "SGLang built it on a path that does not go through the allocator names swa_ext replaces"
-    logger.warning("swa_ext: swa_ext does not serve this process; SGLang's own %s serves (%s)", type(built).__name__,
-                   why)
+        logger.warning("swa_ext: --enable-unified-memory: SGLang's own %s serves this process's KV, not swa_ext "
+                       "(for swa_ext's one budget of full and SWA pages, drop the flag and set SWA_EXT_SGLANG=1 "
+                       "SWA_EXT_SHARED=1)", type(built).__name__)
+        return
+    logger.warning("swa_ext: swa_ext does not serve this process; SGLang's own %s serves (SGLang built it on a path "
+                   "that does not go through the allocator names swa_ext replaces)", type(built).__name__)
 
 
 def _init_pools(self, *, sizes, req_to_token_pool, token_to_kv_pool_allocator):
@@ -128,23 +138,38 @@ def _init_pools(self, *, sizes, req_to_token_pool, token_to_kv_pool_allocator):
     return pools
 
 
+def _resolve_memory_pool_config(self, pre_model_load_memory):
+    return shared_sizes(self, _sglang_resolve_memory_pool_config(self, pre_model_load_memory))
+
+
 _sglang_init_pools = kv_cache_configurator.KVCacheConfigurator._init_pools
+_sglang_resolve_memory_pool_config = kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config
 _STOOD_IN = (sglang_swa.SWATokenToKVPoolAllocator, sglang_paged.PagedTokenToKVPoolAllocator,
              sglang_token.TokenToKVPoolAllocator)
 
 
-def install(*, single_pool=False, lockstep=False, evict_hook=True):
+def install(*, single_pool=False, lockstep=False, evict_hook=True, shared=False):
     """Makes SGLang build swa_ext's allocators in this process: the hybrid SWA allocator,
     and with ``single_pool`` also the page and token pools of non-SWA models. With
     ``lockstep``, SGLang's own allocator shadows each one (package docstring). With
     ``evict_hook``, the decode step's window eviction is one native call (hooks.py).
-    Calling it again replaces the previous installation."""
+    With ``shared``, the hybrid allocator is swa_ext's shared mode (one budget for full
+    and SWA pages: shared.py), in a KV pool whose SWA layers share the full layers'
+    storage, sized from SGLang's two pools at the same bytes (shared_pool.py); SGLang's
+    allocator cannot shadow it, so not with ``lockstep``. Calling it again replaces the
+    previous installation."""
+    if shared and lockstep:
+        raise ValueError("swa_ext: the shared mode has no lockstep (SGLang's allocator keeps two pools): "
+                         "SWA_EXT_SHARED=1 runs with SWA_EXT_SGLANG=1 or all")
     uninstall()
     kv_cache_configurator.KVCacheConfigurator._init_pools = _init_pools
     if evict_hook:
         hooks.install()
     stand_ins = {"SWATokenToKVPoolAllocator": _stand_in(sglang_swa.SWATokenToKVPoolAllocator,
-                                                        _swa_builder(lockstep))}
+                                                        _swa_builder(lockstep, shared))}
+    if shared:
+        kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config = _resolve_memory_pool_config
+        stand_ins["SWAKVPool"] = SharedSWAKVPool
     if single_pool:
         stand_ins["PagedTokenToKVPoolAllocator"] = _stand_in(sglang_paged.PagedTokenToKVPoolAllocator, _pool_builder(
             PagedTokenToKVPoolAllocator, lockstep and LockstepPagedTokenToKVPoolAllocator,
@@ -159,6 +184,7 @@ def install(*, single_pool=False, lockstep=False, evict_hook=True):
 def uninstall():
     """Gives allocator construction and the scheduler's eviction back to SGLang."""
     kv_cache_configurator.KVCacheConfigurator._init_pools = _sglang_init_pools
+    kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config = _sglang_resolve_memory_pool_config
     hooks.uninstall()
     for name, original in _originals.items():
         setattr(kv_cache_configurator, name, original)

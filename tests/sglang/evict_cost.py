@@ -7,7 +7,7 @@ timed in the scheduler by the test-only plugin in tests/sglang/evict_timer.
         [--requests 48] [--page-size 16] [--interval 1] [--new-tokens 64] [--modes sglang,1] [--json OUT]
 
 Each mode (``sglang``: SGLang's allocator and loop; a SWA_EXT_SGLANG value: swa_ext's
-allocator and hook) is one engine process; the table gives the median and the 90th
+allocator and hook; ``shared``: swa_ext's shared mode and hook) is one engine process; the table gives the median and the 90th
 percentile of the steps whose batch held every request, and each mode's median against
 SGLang's. Unlike bench/sglang_step.py, whose setups take turns on warm caches, the
 forward pass here leaves the caches cold, as a serving engine's does. Run as
@@ -96,7 +96,7 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--interval", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--modes", default="sglang,1", help="sglang and SWA_EXT_SGLANG values (default sglang,1)")
+    parser.add_argument("--modes", default="sglang,1", help="sglang, shared and SWA_EXT_SGLANG values (default sglang,1)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a node may take")
     parser.add_argument("--json")
     args = parser.parse_args(argv)

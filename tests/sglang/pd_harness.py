@@ -41,8 +41,7 @@ DECODE_CPU_ARGS = {"disaggregation_decode_retraction_backup": "cpu_tensor"}
 
 
 def node_env(mode, probe_dir, lockstep_report=None):
-    """The environment of one SGLang node: allocator mode (``sglang``: SGLang's own, or a
-    SWA_EXT_SGLANG value), SGLang's strict memory and KV-page checks on, the probe's
+    """The environment of one SGLang node: allocator mode (allocator_variables), SGLang's strict memory and KV-page checks on, the probe's
     report directory, and only loopback addresses."""
     env = dict(os.environ, TRITON_INTERPRET="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
                SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", SGLANG_CHECK_KV_PAGE_INVARIANTS="1",
@@ -52,14 +51,21 @@ def node_env(mode, probe_dir, lockstep_report=None):
                SGLANG_HOST_IP=HOST, MC_TCP_BIND_ADDRESS=HOST, SWA_EXT_PD_PROBE_DIR=probe_dir,
                PYTHONPATH=os.pathsep.join([STUBS, PROBE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                              if p]))
-    for name in ("SWA_EXT_SGLANG", "SWA_EXT_LOCKSTEP_REPORT", "SGLANG_PLUGINS"):
+    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SWA_EXT_LOCKSTEP_REPORT", "SGLANG_PLUGINS"):
         env.pop(name, None)
-    if mode != "sglang":
-        env["SWA_EXT_SGLANG"] = mode
+    env.update(allocator_variables(mode))
     if lockstep_report:
         env["SWA_EXT_LOCKSTEP_REPORT"] = lockstep_report
     os.makedirs(probe_dir, exist_ok=True)
     return env
+
+
+def allocator_variables(mode):
+    """The variables of an allocator mode: ``sglang`` (SGLang's own: none), ``shared``
+    (swa_ext's shared mode: SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1) or a SWA_EXT_SGLANG value."""
+    if mode == "sglang":
+        return {}
+    return {"SWA_EXT_SGLANG": "1", "SWA_EXT_SHARED": "1"} if mode == "shared" else {"SWA_EXT_SGLANG": mode}
 
 
 def probe_records(probe_dir, kind):

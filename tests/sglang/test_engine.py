@@ -14,6 +14,7 @@ import time
 import pytest
 
 from conftest import STUBS
+from pd_harness import allocator_variables
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_POOL = (8192, "default")  # (max_total_tokens, swa_full_tokens_ratio)
@@ -36,9 +37,9 @@ def run_engine(model, page_size, pool, mode):
                # scheduler's eviction (swa_ext's hook under SWA_EXT_SGLANG) runs many times.
                SGLANG_SWA_EVICTION_INTERVAL="8",
                PYTHONPATH=os.pathsep.join([STUBS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.pop("SWA_EXT_SGLANG", None)
-    if mode != "sglang":
-        env["SWA_EXT_SGLANG"] = mode
+    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED"):
+        env.pop(name, None)
+    env.update(allocator_variables(mode))
     proc, log, counts, wall = run_script([os.path.join(HERE, "engine_run.py"), model, result, str(page_size),
                                           str(pool[0]), pool[1]], env, out_dir, report)
     assert proc.returncode == 0 and os.path.exists(result), f"engine run failed ({mode}):\n{log[-6000:]}"

@@ -14,6 +14,7 @@ every run. Each run is its own process (the plugin and the checks are read at
 start-up); the module's runs go two at a time.
 """
 import concurrent.futures
+import functools
 import json
 import os
 import re
@@ -46,11 +47,14 @@ RUNS = [("page16-tight", "lockstep"), ("page16", "sglang"), ("page16", "1"), ("p
         ("page64", "lockstep"), ("page1", "lockstep")]
 # Who serves in each mode: (top-level package, allocator class).
 ALLOCATOR_CLASSES = {"sglang": ("sglang", "SWATokenToKVPoolAllocator"), "1": ("swa_ext", "SWATokenToKVPoolAllocator"),
-                     "lockstep": ("swa_ext", "LockstepSWATokenToKVPoolAllocator")}
+                     "lockstep": ("swa_ext", "LockstepSWATokenToKVPoolAllocator"),
+                     "shared": ("swa_ext", "SharedSWATokenToKVPoolAllocator")}
 
 
+@functools.lru_cache(maxsize=None)
 def decode_node(model, config, mode):
-    """One decode node run: outputs, the probe's allocator calls, lockstep counts, log, wall time."""
+    """One decode node run: outputs, the probe's allocator calls, lockstep counts, log, wall
+    time (once a session: test_shared_pd.py compares with SGLang's run here)."""
     page_size, max_total_tokens, engine_args = CONFIGS[config]
     out_dir = os.path.join(os.path.dirname(model), f"pd-node-{config}-{mode}")
     os.makedirs(out_dir, exist_ok=True)

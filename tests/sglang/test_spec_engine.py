@@ -22,6 +22,7 @@ import types
 import pytest
 
 from conftest import MODEL_CONFIG, STUBS
+from pd_harness import allocator_variables
 from test_engine import queued, run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,10 +116,9 @@ def engine_env(mode, interval, report):
                SWA_EXT_SPEC_BRIDGES=",".join(BRIDGES),
                PYTHONPATH=os.pathsep.join([STUBS, BRIDGES_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(
                    os.pathsep) if p]))
-    for name in ("SWA_EXT_SGLANG", "SGLANG_SWA_EVICTION_INTERVAL"):
+    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SGLANG_SWA_EVICTION_INTERVAL"):
         env.pop(name, None)
-    if mode != "sglang":
-        env["SWA_EXT_SGLANG"] = mode
+    env.update(allocator_variables(mode))
     if interval is not None:
         env["SGLANG_SWA_EVICTION_INTERVAL"] = str(interval)
     return env

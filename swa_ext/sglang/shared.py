@@ -1,0 +1,148 @@
+"""swa_ext's shared mode as SGLang's hybrid allocator: one budget of pages for full and
+SWA KV (``SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1``; docs/sglang.md).
+
+SGLang's scheduler asks its allocator whether work fits through a few capacity gates
+(``mem_cache/allocator/base.py``): the prefill adder's budget, the PD decode node's
+preallocation (``prealloc_fits`` and its reclaim), the decode step's
+``check_decode_capacity`` (which ``retract_decode`` converges on), the eviction before
+an allocation and the clip of a request's new tokens. Its two-pool allocator answers
+each side against its own pool. Here both sides draw on one free list, so every gate
+prices the full pages and the SWA pages of a demand together against the one free count
+(what the tree cache could give back included), as SGLang's unified allocator does for
+its byte envelope: what SGLang admits then allocates, and what does not fit waits or is
+retracted the way SGLang does it.
+"""
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.prefill_budget import SharedSWAPrefillBudget, estimate_swa_kv_tokens
+
+from .adapters import SWATokenToKVPoolAllocator
+
+
+class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
+    """swa_ext's hybrid allocator in its shared mode (``size == size_swa``: one slot index
+    space, one free list), as SGLang's ``SWATokenToKVPoolAllocator``, with the scheduler's
+    capacity gates priced against the one budget. A demand of ``f`` full and ``s`` SWA
+    tokens takes ceil(f / page) + ceil(s / page) pages."""
+
+    _shared = True
+
+    def _pages(self, tokens):
+        return -(-int(tokens) // self.page_size)
+
+    def _free_pages(self):
+        return self.available_size() // self.page_size
+
+    def _fits(self, full_tokens, swa_tokens, reclaimable_tokens=0):
+        return self._pages(full_tokens) + self._pages(swa_tokens) <= \
+            self._free_pages() + int(reclaimable_tokens) // self.page_size
+
+    def _reclaim(self, tree_cache, tokens):
+        """Evicts from the tree cache until ``tokens`` are free or nothing evictable is
+        left: full leaves first (each one's SWA goes with it), then SWA alone, as SGLang's
+        tree evicts; both return pages to the one list."""
+        shortfall = int(tokens) - self.available_size()
+        if shortfall > 0 and tree_cache is not None and tree_cache.supports_prefix_sharing():
+            tree_cache.evict_for_alloc(EvictParams(num_tokens=shortfall, swa_num_tokens=shortfall))
+
+    # -- the scheduler's capacity gates --
+
+    def can_reserve(self, full_tokens, swa_tokens, *, full_evictable_tokens=0, swa_evictable_tokens=0,
+                    empty_pool=False, require_token_slack=False):
+        """Whether ``full_tokens`` full and ``swa_tokens`` SWA tokens fit the one budget:
+        the free pages and what the tree could give back, or (``empty_pool``) the whole
+        budget; ``require_token_slack`` keeps SGLang's one token to spare."""
+        if full_tokens < 0 or swa_tokens < 0:
+            return False
+        if require_token_slack and full_tokens + swa_tokens >= self.size:
+            return False
+        if empty_pool:
+            return self._pages(full_tokens) + self._pages(swa_tokens) <= self.size // self.page_size
+        return self._fits(full_tokens, swa_tokens, full_evictable_tokens + swa_evictable_tokens)
+
+    def create_prefill_budget(self, tree_cache, *, num_mixed_decode_tokens=0):
+        """SGLang's budget for one pool shared by both sides: it prices each admission's
+        full and SWA reservations together through ``can_reserve``."""
+        return SharedSWAPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def evict_to_free_tokens(self, tree_cache, num_tokens):
+        """Before an allocation of ``num_tokens`` on each side: room for both, from one list."""
+        self._reclaim(tree_cache, 2 * num_tokens)
+
+    def check_decode_capacity(self, *, num_tokens, tree_cache, requests=None, spec_algorithm=None):
+        """The next decode step takes ``num_tokens`` on each side (a page of each for every
+        request that crosses a page): both from the one list, after evicting for them."""
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        return self.available_size() >= 2 * num_tokens
+
+    def max_new_tokens_for_memory(self, input_tokens, max_new_tokens, *, token_capacity, sliding_window_size,
+                                  chunk_size):
+        """SGLang's clip on the one budget: the most new tokens whose full KV and SWA peak
+        (estimated as SGLang's admission estimates it) fit the empty pool; None if the
+        prompt alone does not."""
+        def fits(new_tokens):
+            swa = estimate_swa_kv_tokens(input_tokens, new_tokens, sliding_window_size=sliding_window_size,
+                                         page_size=self.page_size, allocation_limit=chunk_size)
+            return self.can_reserve(input_tokens + new_tokens + self.page_size, swa, empty_pool=True,
+                                    require_token_slack=True)
+
+        cap = super().max_new_tokens_for_memory(input_tokens, max_new_tokens, token_capacity=token_capacity,
+                                                sliding_window_size=sliding_window_size, chunk_size=chunk_size)
+        if not fits(0):
+            return None
+        low, high = 0, cap  # fits(low); the answer is in [low, high]
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        return low
+
+    # -- the PD decode node's preallocation --
+
+    def prealloc_fits_assumes_reclaim(self):
+        """``prealloc_fits`` counts what the tree could give back: the node reclaims it
+        (``reclaim_for_prealloc``) before it preallocates."""
+        return True
+
+    def prealloc_ceiling_fits(self, full_tokens, swa_tokens):
+        return self.can_reserve(full_tokens, swa_tokens, empty_pool=True)
+
+    def prealloc_fits(self, tree_cache, full_tokens, swa_tokens, *, full_budget_tokens, swa_budget_tokens=None):
+        """The node's per-side budgets are the free count (and what the tree could give
+        back) less what each side keeps for running requests (reserved decode tokens,
+        retracted requests, one request's headroom): those reserves join the demand, and
+        the whole prices against the one budget."""
+        full_evictable, swa_evictable = tree_cache.full_evictable_size(), tree_cache.swa_evictable_size()
+        free = self.available_size()
+        full_tokens += free + full_evictable - full_budget_tokens
+        if swa_budget_tokens is not None:
+            swa_tokens += free + swa_evictable - swa_budget_tokens
+        return self.can_reserve(full_tokens, swa_tokens, full_evictable_tokens=full_evictable,
+                                swa_evictable_tokens=swa_evictable)
+
+    def reclaim_for_prealloc(self, tree_cache, full_tokens, swa_tokens):
+        """Frees room for a preallocation of ``full_tokens`` and ``swa_tokens``: None when
+        it is there, else what is missing (the node attaches it to the request)."""
+        needed = (self._pages(full_tokens) + self._pages(swa_tokens)) * self.page_size
+        self._reclaim(tree_cache, needed)
+        if self.available_size() < needed:
+            return (f"swa_ext shared budget: needed {needed} tokens ({full_tokens} full, {swa_tokens} SWA), "
+                    f"available {self.available_size()}")
+        return None
+
+    # -- what the scheduler reads of each side --
+
+    def _swa_tokens_in_use(self):
+        """Tokens of the pages that hold SWA KV: the pages the mapping points into."""
+        mapped = self.full_to_swa_index_mapping[:-1]
+        pages = torch.unique(mapped[mapped > 0] // self.page_size)
+        return int(pages.numel()) * self.page_size
+
+    def swa_capacity_and_available(self, *, full_capacity, swa_capacity):
+        """Each side's capacity is what it holds plus the free pages both may take, so
+        SGLang's conservation check (free + cached + held == capacity) holds on each side."""
+        free = self.available_size()
+        swa_used = self._swa_tokens_in_use()
+        full_used = self.size - free - swa_used
+        return (full_used + free, free), (swa_used + free, free)

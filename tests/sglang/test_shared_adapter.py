@@ -1,0 +1,236 @@
+"""swa_ext's shared mode as SGLang's hybrid allocator, without an engine: the scheduler's
+capacity gates price full and SWA pages together against the one free count (what they
+admit allocates; what they refuse would not), the sizing at SGLang's KV bytes, the KV
+pool whose SWA layers use the full layers' storage, the one-line refusals, the switch."""
+import types
+
+import pytest
+import torch
+from sglang.srt.mem_cache import kv_cache_configurator
+from sglang.srt.mem_cache.allocator import swa as sglang_swa
+from sglang.srt.mem_cache.prefill_budget import SharedSWAPrefillBudget
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+import swa_ext
+import swa_ext.sglang as adapter
+from conftest import RecordingSWAKVCache, t
+from swa_ext import sglang_plugin
+from swa_ext.sglang import shared_pool
+from swa_ext.sglang.shared import SharedSWATokenToKVPoolAllocator
+
+PAGE = 16
+WINDOW = 64
+
+
+def shared(size=512, page_size=PAGE):
+    return SharedSWATokenToKVPoolAllocator(size, size, page_size, torch.float16, "cpu", RecordingSWAKVCache(), False)
+
+
+class Tree:
+    """Stands for SGLang's radix cache: requests' KV it holds (evictable), evicted whole,
+    oldest first, through the allocator's free, as SGLang's tree frees a full leaf."""
+
+    def __init__(self, alloc):
+        self.alloc, self.cached, self.asked = alloc, [], []
+
+    def supports_prefix_sharing(self):
+        return True
+
+    def full_evictable_size(self):
+        return sum(-(-len(full) // PAGE) * PAGE for full, _ in self.cached)
+
+    def swa_evictable_size(self):
+        return sum(swa for _, swa in self.cached)
+
+    def evict_for_alloc(self, params, allocation_reclaim_satisfied=None):
+        self.asked.append((params.num_tokens, params.swa_num_tokens))
+        target = self.alloc.available_size() + params.num_tokens
+        while self.cached and self.alloc.available_size() < target:
+            self.alloc.free(self.cached.pop(0)[0])
+
+
+def prompt(alloc, length, tail):
+    """A decode node's preallocation: ``length`` full tokens, the last ``tail`` on the SWA side too."""
+    return alloc.alloc_extend_swa_tail(t([0]), t([0]), t([length]), t([length]), t([-1]), length, tail)
+
+
+def test_the_shared_class_is_sglangs_type_on_one_slot_space():
+    alloc = shared()
+    assert isinstance(alloc, sglang_swa.SWATokenToKVPoolAllocator) and isinstance(alloc, swa_ext._C.HybridAllocator)
+    assert alloc.shared and alloc.size == alloc.size_full == alloc.size_swa == 512
+    assert alloc.full_available_size() == alloc.swa_available_size() == alloc.available_size() == 512
+    assert not adapter.SWATokenToKVPoolAllocator(512, 256, PAGE, torch.float16, "cpu", RecordingSWAKVCache(),
+                                                 False).shared
+
+
+def test_a_demand_takes_its_full_and_swa_pages_from_the_one_budget():
+    alloc = shared()  # 32 pages
+    assert alloc.can_reserve(256, 256) and not alloc.can_reserve(256, 257) and not alloc.can_reserve(-1, 0)
+    assert alloc.can_reserve(256, 257 + PAGE, full_evictable_tokens=PAGE, swa_evictable_tokens=PAGE)
+    assert alloc.can_reserve(256, 256, empty_pool=True)
+    assert not alloc.can_reserve(256, 256, empty_pool=True, require_token_slack=True)  # SGLang's token to spare
+    # What the gate admits allocates, and one page more it refuses does not.
+    loc = prompt(alloc, 300, 80)  # 19 full pages and 5 SWA pages
+    assert loc is not None and alloc.available_size() == 512 - 24 * PAGE
+    for full, swa in ((64, 64), (96, 48), (128, 0), (112, 16), (128, 16), (80, 80)):
+        admitted = alloc.can_reserve(full, swa)
+        assert admitted == alloc.new_pages_available(-(-full // PAGE), -(-swa // PAGE)), (full, swa)
+        got = prompt(alloc, full, swa)
+        assert (got is not None) == admitted, (full, swa)
+        if got is not None:
+            alloc.free(got)
+    assert alloc.available_size() == 512 - 24 * PAGE
+    assert isinstance(alloc.create_prefill_budget(Tree(alloc)), SharedSWAPrefillBudget)
+
+
+def test_decode_capacity_counts_a_page_of_each_side_and_evicts_for_them():
+    alloc = shared(256)  # 16 pages
+    tree = Tree(alloc)
+    running = prompt(alloc, 160, 64)  # 10 + 4 pages
+    assert running is not None and alloc.available_size() == 2 * PAGE
+    assert alloc.check_decode_capacity(num_tokens=PAGE, tree_cache=tree)  # one request crosses: 2 pages
+    assert not alloc.check_decode_capacity(num_tokens=2 * PAGE, tree_cache=tree)  # two would need 4
+    assert tree.asked == [(2 * PAGE, 2 * PAGE)]  # it asked the tree for both sides' pages
+    alloc.free(running)
+    cached = prompt(alloc, 160, 64)
+    tree.cached.append((cached, 64))  # now the tree could give it back
+    assert alloc.check_decode_capacity(num_tokens=2 * PAGE, tree_cache=tree)
+    assert not tree.cached and alloc.available_size() == 256
+
+
+def test_a_decode_nodes_preallocation_prices_its_reserves_on_the_one_budget():
+    alloc = shared()  # 32 pages
+    tree = Tree(alloc)
+
+    def budgets():  # SGLang's: each side's free and evictable tokens less what it keeps for running requests
+        free = alloc.available_size()
+        return dict(full_budget_tokens=free + tree.full_evictable_size() - 64,
+                    swa_budget_tokens=free + tree.swa_evictable_size() - 32)
+
+    assert alloc.prealloc_fits_assumes_reclaim()
+    assert alloc.prealloc_fits(tree, 256, 160, **budgets())  # 16+4 + 10+2 pages = 32
+    assert not alloc.prealloc_fits(tree, 256, 161, **budgets())
+    assert alloc.prealloc_ceiling_fits(256, 256) and not alloc.prealloc_ceiling_fits(256, 272)
+    held = prompt(alloc, 256, 64)
+    tree.cached.append((held, 64))
+    assert alloc.prealloc_fits(tree, 256, 160, **budgets())  # what the tree holds counts: it is reclaimed first
+    assert not alloc.prealloc_fits(tree, 256, 161, **budgets())
+    assert alloc.reclaim_for_prealloc(tree, 320, 64) is None and alloc.available_size() == 512
+    assert "needed 528 tokens" in alloc.reclaim_for_prealloc(tree, 448, 80)
+
+
+def test_each_side_reads_its_pages_and_the_free_ones_for_sglangs_checks():
+    alloc = shared()
+    loc = prompt(alloc, 300, 80)  # 19 full pages, 5 SWA pages
+    (full_capacity, full_free), (swa_capacity, swa_free) = alloc.swa_capacity_and_available(
+        full_capacity=512, swa_capacity=512)
+    free = 512 - 24 * PAGE
+    assert (full_free, swa_free) == (free, free)
+    assert (full_capacity - full_free, swa_capacity - swa_free) == (19 * PAGE, 5 * PAGE)
+    alloc.free(loc)
+    assert alloc.swa_capacity_and_available(full_capacity=512, swa_capacity=512) == ((512, 512), (512, 512))
+
+
+def test_new_tokens_are_clipped_to_what_the_empty_budget_holds():
+    alloc = shared()
+
+    def fits(n, prompt_len):  # the whole prompt's full KV, and its SWA peak as SGLang's admission estimates it
+        swa = max(prompt_len - WINDOW, 0) + min(prompt_len + n, WINDOW) + PAGE
+        full = prompt_len + n + PAGE
+        return -(-full // PAGE) + -(-swa // PAGE) <= 512 // PAGE and full + swa < 512
+
+    for prompt_len in (40, 200, 220):
+        n = alloc.max_new_tokens_for_memory(prompt_len, 1000, token_capacity=512, sliding_window_size=WINDOW,
+                                            chunk_size=None)
+        assert fits(n, prompt_len) and not fits(n + 1, prompt_len), (prompt_len, n)
+    assert alloc.max_new_tokens_for_memory(20, 8, token_capacity=512, sliding_window_size=WINDOW,
+                                           chunk_size=None) == 8
+    assert alloc.max_new_tokens_for_memory(480, 8, token_capacity=512, sliding_window_size=WINDOW,
+                                           chunk_size=None) is None
+
+
+# --- sizing, storage, refusals, the switch ----------------------------------------------
+
+
+def configurator(full_layers=1, swa_layers=1, swa_heads=1, algorithm="NONE", hybrid=True):
+    spec = types.SimpleNamespace(is_speculative=lambda: algorithm != "NONE", is_ngram=lambda: algorithm == "NGRAM")
+    model = types.SimpleNamespace(get_num_kv_heads=lambda tp: 1, get_swa_num_kv_heads=lambda tp: swa_heads,
+                                  head_dim=32, v_head_dim=32, swa_head_dim=32, swa_v_head_dim=32)
+    layers = types.SimpleNamespace(full_attention_layer_ids=list(range(full_layers)),
+                                   swa_attention_layer_ids=list(range(full_layers, full_layers + swa_layers)))
+    return types.SimpleNamespace(is_hybrid_swa=hybrid, is_draft_worker=False, layer_info=layers, model_config=model,
+                                 spec_algorithm=spec, post_capture_kv_active=False, use_mla_backend=False,
+                                 is_hybrid_swa_compress=False)
+
+
+def pool_config(full=4096, swa=3264):
+    return types.SimpleNamespace(max_total_num_tokens=full, full_max_total_num_tokens=full,
+                                 swa_max_total_num_tokens=swa)
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    monkeypatch.setattr(shared_pool, "get_memory", lambda: types.SimpleNamespace(enable_unified_memory=False))
+    monkeypatch.setattr(shared_pool, "get_parallel", lambda: types.SimpleNamespace(attn_tp_size=1))
+
+
+def test_one_slot_count_in_the_bytes_of_sglangs_two_pools(runtime):
+    config = shared_pool.shared_sizes(configurator(), pool_config())
+    assert (config.max_total_num_tokens, config.full_max_total_num_tokens, config.swa_max_total_num_tokens) == \
+        (7360, 7360, 7360)
+    assert shared_pool.shared_sizes(configurator(hybrid=False), pool_config()).swa_max_total_num_tokens == 3264
+    assert shared_pool.shared_sizes(configurator(algorithm="NGRAM"), pool_config()).max_total_num_tokens == 7360
+
+
+@pytest.mark.parametrize("kwargs,why", [
+    (dict(full_layers=1, swa_layers=5), "5 SWA layers to 1 full layers"),
+    (dict(swa_heads=2), "KV heads and head dims (K, V) (2, 32, 32) on the SWA layers, (1, 32, 32) on the full"),
+    (dict(algorithm="EAGLE"), "a draft model's KV"),
+])
+def test_what_the_shared_mode_cannot_serve_is_one_line_naming_what_it_serves(runtime, kwargs, why):
+    with pytest.raises(shared_pool.SharedModeRefused) as refused:
+        shared_pool.shared_sizes(configurator(**kwargs), pool_config())
+    message = str(refused.value)
+    assert "\n" not in message and why in message and message.startswith("swa_ext: SWA_EXT_SHARED=1 serves hybrid")
+    assert "equal in number and in KV bytes per token" in message and "Unset SWA_EXT_SHARED" in message
+
+
+def test_the_swa_layers_keep_their_kv_in_the_full_layers_buffers():
+    pool = shared_pool.SharedSWAKVPool(size=256, size_swa=256, page_size=PAGE, dtype=torch.float32, head_num=1,
+                                       head_dim=8, swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3],
+                                       device="cpu", enable_memory_saver=False)
+    assert isinstance(pool, SWAKVPool)
+    full, swa = pool.full_kv_pool, pool.swa_kv_pool
+    for i in range(2):
+        assert swa.k_buffer[i].data_ptr() == full.k_buffer[i].data_ptr()
+        assert swa.v_buffer[i].data_ptr() == full.v_buffer[i].data_ptr()
+    assert pool.get_kv_size_bytes() == full.get_kv_size_bytes()
+    with pytest.raises(shared_pool.SharedModeRefused, match="3 SWA layers of 256 slots beside 1 full layers"):
+        shared_pool.SharedSWAKVPool(size=256, size_swa=256, page_size=PAGE, dtype=torch.float32, head_num=1,
+                                    head_dim=8, swa_attention_layer_ids=[0, 2, 3], full_attention_layer_ids=[1],
+                                    device="cpu", enable_memory_saver=False)
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.setenv("SWA_EXT_SHARED", "1")
+    monkeypatch.delenv("SWA_EXT_SGLANG", raising=False)
+    with pytest.raises(ValueError, match="set SWA_EXT_SGLANG=1 beside it"):
+        sglang_plugin.plugin()
+    monkeypatch.setenv("SWA_EXT_SGLANG", "lockstep")
+    with pytest.raises(ValueError, match="the shared mode has no lockstep"):
+        sglang_plugin.plugin()
+    monkeypatch.setenv("SWA_EXT_SHARED", "yes")
+    with pytest.raises(ValueError, match="SWA_EXT_SHARED: expected 1"):
+        sglang_plugin.plugin()
+    original_pool = kv_cache_configurator.SWAKVPool
+    monkeypatch.setenv("SWA_EXT_SGLANG", "1")
+    monkeypatch.setenv("SWA_EXT_SHARED", "1")
+    try:
+        sglang_plugin.plugin()
+        assert kv_cache_configurator.SWAKVPool is shared_pool.SharedSWAKVPool
+        built = kv_cache_configurator.SWATokenToKVPoolAllocator(256, 256, PAGE, torch.float16, "cpu",
+                                                                RecordingSWAKVCache(), False)
+        assert type(built) is SharedSWATokenToKVPoolAllocator
+    finally:
+        adapter.uninstall()
+    assert kv_cache_configurator.SWAKVPool is original_pool

@@ -1,0 +1,87 @@
+"""A PD decode node, and a prefill node + decode node pair over Mooncake, with the decode
+node on swa_ext's shared mode (SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1): SGLang's decode path
+preallocates each request's prompt on the full side and its window tail on the SWA side
+from the one budget, and the prefill node's SWA layers send their window tails into
+slots whose storage the decode node's full layers share.
+
+The node runs with SGLang's fake transfer (test_pd_node.py's prompts and settings): the
+outputs of SGLang's allocator, the window-tail path, every page free at the end; in a pool
+too small for every request at once (the node's reserved decode tokens priced on the one
+budget), preallocations wait and none fails. The pair (test_pd_pair.py's prompts): the
+outputs of one non-disaggregated engine, so every prompt's KV crossed into the right slots.
+"""
+import concurrent.futures
+import os
+import re
+import time
+
+import pytest
+
+import pd_harness
+import test_pd_node
+from test_shared_engine import check_shared_served
+
+try:
+    import mooncake.engine  # noqa: F401
+    import sglang_router  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the venv
+    pytest.skip(f"the pair needs Mooncake's transfer engine and SGLang's router ({e}): run scripts/setup-sglang.sh",
+                allow_module_level=True)
+
+NODE_RUNS = [("page16", "sglang"), ("page16", "shared"), ("page16-tight", "shared")]
+
+
+@pytest.fixture(scope="module")
+def node_runs(tiny_model):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {run: pool.submit(test_pd_node.decode_node, tiny_model, *run) for run in NODE_RUNS}
+        return {run: future.result() for run, future in futures.items()}
+
+
+def test_shared_decode_node_serves_sglangs_outputs_on_the_tail_path(node_runs):
+    """Page 16: SGLang's outputs. The tight pool: a preallocation waits, none fails, every
+    page comes back. (Its outputs are not compared: the fake transfer writes no KV, so a
+    request that waits decodes over what its recycled slots last held.)"""
+    for config in ("page16", "page16-tight"):
+        run = node_runs[config, "shared"]
+        test_pd_node.check_run(run, "shared")  # the shared allocator served; every page free at the end
+        test_pd_node.check_tail_path(run)
+        check_shared_served(run["log"], 16)
+        assert "out of memory" not in run["log"].lower()
+    assert node_runs["page16", "shared"]["outputs"] == node_runs["page16", "sglang"]["outputs"]
+    assert re.search(r"#prealloc-req: [1-9]", node_runs["page16-tight", "shared"]["log"]), "no preallocation waited"
+
+
+@pytest.fixture(scope="module")
+def shared_pair_run(tiny_model):
+    import test_pd_pair
+
+    workdir = os.path.join(os.path.dirname(tiny_model), "pd-pair-shared")
+    os.makedirs(workdir, exist_ok=True)
+    start = time.monotonic()
+    reference_process, reference_result = test_pd_pair.start_reference(tiny_model, workdir)
+    try:
+        with pd_harness.Pair(tiny_model, workdir, "shared", test_pd_pair.PAGE_SIZE,
+                             test_pd_pair.MAX_TOTAL_TOKENS) as pair:
+            before = pd_harness.allocator_calls(pair.decode_probe)  # the servers' warm-up requests
+            outputs = pair.generate(test_pd_pair.PROMPTS, test_pd_pair.NEW_TOKENS)
+            calls = pd_harness.settled_allocator_calls(pair.decode_probe)
+            logs = pair.logs()
+        reference = test_pd_pair.reference_outputs(reference_process, reference_result)
+    finally:
+        reference_process.stop()
+    print(f"shared pair: {time.monotonic() - start:.0f} s; decode allocator calls {calls} (before {before})")
+    return {"reference": reference, "outputs": outputs, "before": before, "calls": calls, "logs": logs,
+            "prompts": len(test_pd_pair.PROMPTS)}
+
+
+def test_shared_decode_node_in_a_pair_gives_a_single_engines_outputs(shared_pair_run):
+    run = shared_pair_run
+    assert run["outputs"] == run["reference"]
+    calls, before = run["calls"], run["before"]
+    assert pd_harness.allocator_class(calls) == ("swa_ext", "SharedSWATokenToKVPoolAllocator"), calls["allocator"]
+    check_shared_served(run["logs"]["decode"], 16)
+    served = {call: n - before.get(call, 0) for call, n in calls.items() if isinstance(n, int)}
+    assert served["alloc_extend_swa_tail"] == run["prompts"] and served.get("alloc_extend", 0) == 0, served
+    assert pd_harness.out_of_window_frees(served) > 0, served
+    assert calls["free_after_last_call"] == calls["pool_sizes"], calls  # the one budget whole again
