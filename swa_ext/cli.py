@@ -4,16 +4,42 @@ entry point that the bench package of a checkout installs)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
+import signal
 import sys
-import time
 
-from swa_ext._version import __version__
-from swa_ext.outputs import OutputError, check_output, write_all
+import swa_ext
 
 PROG = "swa-ext"
+# Exit status of a run stopped by Ctrl-C (128 + SIGINT), as a shell reports it.
+INTERRUPTED = 130
+
+
+def _interrupted() -> int:
+    """Ctrl-C: one line (after the ^C a terminal shows) and the status."""
+    print(f"\n{PROG}: interrupted" if sys.stderr.isatty() else f"{PROG}: interrupted", file=sys.stderr)
+    return INTERRUPTED
+
+
+def _exit_interrupted(signum, frame):
+    raise SystemExit(_interrupted())
+
+
+# Run as the command, a Ctrl-C outside run_command (while this module loads, in the script's
+# lines around main()) ends it as one inside does, and so does one that swa_ext noted before.
+_AS_COMMAND = swa_ext._AS_COMMAND
+if _AS_COMMAND:
+    signal.signal(signal.SIGINT, _exit_interrupted)
+    if swa_ext._noted_interrupts:
+        raise SystemExit(_interrupted())
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+from swa_ext._version import __version__  # noqa: E402
+from swa_ext.outputs import OutputError, check_output, write_all  # noqa: E402
+
 # Where commands shipped outside this package (the bench) register themselves.
 COMMAND_ENTRY_POINTS = "swa_ext.commands"
 
@@ -24,8 +50,6 @@ DEFAULT_MAX_REQUESTS = 10000
 DEFAULT_TIME_SCALE = 0.02
 DEFAULT_STEP_MS = 20.0
 
-# Exit status of a run stopped by Ctrl-C (128 + SIGINT), as a shell reports it.
-INTERRUPTED = 130
 # Where the per-step cost of eviction at each interval is measured.
 EVICTION_COST_DOC = "docs/sglang-eviction.md"
 
@@ -214,6 +238,8 @@ def run_command(command, argv: list[str]) -> int:
     """``command(argv)``, its exit status, with the failures every ``swa-ext`` command reports
     alike: bad input in one line (2), Ctrl-C (130), a report that could not be written (1)."""
     try:
+        if _AS_COMMAND:  # a KeyboardInterrupt, caught below, lets the command clean up
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         return command(argv)
     except UsageError as e:
         print(e, file=sys.stderr)
@@ -222,27 +248,29 @@ def run_command(command, argv: list[str]) -> int:
         # --help and --version print and stop.
         return e.code or 0
     except KeyboardInterrupt:
-        # Ctrl-C: the reports are written through temporary files, so nothing is left.
-        print(f"\n{PROG}: interrupted" if sys.stderr.isatty() else f"{PROG}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        # Ctrl-C, torch's import included: the reports are written through temporary
+        # files, so nothing is left.
+        return _interrupted()
     except OSError as e:
         # A report that could not be written after all (the disk filled up).
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if _AS_COMMAND:
+            signal.signal(signal.SIGINT, _exit_interrupted)
+
+
+def _chosen(args: list[str]) -> int:
+    if not args or args[0] not in COMMANDS:
+        # Only the command is parsed here; each command parses its own options.
+        top = _Parser(prog=PROG, description="swa_ext tools.")
+        top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+        top.add_argument("command", choices=sorted(COMMANDS),
+                         help="simulate: replay a trace on a simulated decode node; "
+                         "bench: allocator micro-benchmarks")
+        top.parse_args(args[:1])
+    return COMMANDS[args[0]](args[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    top = _Parser(prog=PROG, description="swa_ext tools.")
-    top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    top.add_argument("command", choices=sorted(COMMANDS),
-                     help="simulate: replay a trace on a simulated decode node; "
-                     "bench: allocator micro-benchmarks")
-
-    def chosen(args: list[str]) -> int:
-        if not args or args[0] not in COMMANDS:
-            # Only the command is parsed here; each command parses its own options.
-            top.parse_args(args[:1])
-        return COMMANDS[args[0]](args[1:])
-
-    return run_command(chosen, argv)
+    return run_command(_chosen, list(sys.argv[1:] if argv is None else argv))
