@@ -4,6 +4,7 @@ entry point that the bench package of a checkout installs)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -20,17 +21,28 @@ def _interrupted() -> int:
     return INTERRUPTED
 
 
-def _exit_interrupted(signum, frame):
-    raise SystemExit(_interrupted())
+def _exit_interrupted(signum=None, frame=None):
+    # While the command starts nothing is written yet, and a KeyboardInterrupt could be
+    # swallowed by a library loading (a bare except): the process ends here.
+    _interrupted()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
 
 
-# Run as the command, a Ctrl-C outside run_command (while this module loads, in the script's
-# lines around main()) ends it as one inside does, and so does one that swa_ext noted before.
+# Run as the command, a Ctrl-C until the command has loaded what it runs (_started), or after
+# it returned, ends it at once; so does one that swa_ext noted before this module loaded.
 _AS_COMMAND = swa_ext._AS_COMMAND
 if _AS_COMMAND:
     signal.signal(signal.SIGINT, _exit_interrupted)
     if swa_ext._noted_interrupts:
-        raise SystemExit(_interrupted())
+        _exit_interrupted()
+
+
+def _started() -> None:
+    """The command has loaded what it runs: from here Ctrl-C is a KeyboardInterrupt, which
+    lets it clean up before run_command reports it."""
+    if _AS_COMMAND:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -169,6 +181,7 @@ def simulate_main(argv: list[str]) -> int:
     from swa_ext.models import get_model
     from swa_ext.traces import DEFAULT_TRACE, TraceError, load_trace
 
+    _started()
     try:
         if args.json is not None:
             check_output(f"{PROG} simulate: error: argument --json", args.json)
@@ -228,7 +241,9 @@ def bench_main(argv: list[str]) -> int:
     if not found:
         raise UsageError(f"{PROG} bench: error: the benchmarks are not installed; "
                          "from a checkout of swa_ext: pip install ./bench")
-    return next(iter(found)).load()(argv) or 0
+    bench = next(iter(found)).load()
+    _started()
+    return bench(argv) or 0
 
 
 COMMANDS = {"simulate": simulate_main, "bench": bench_main}
@@ -238,8 +253,6 @@ def run_command(command, argv: list[str]) -> int:
     """``command(argv)``, its exit status, with the failures every ``swa-ext`` command reports
     alike: bad input in one line (2), Ctrl-C (130), a report that could not be written (1)."""
     try:
-        if _AS_COMMAND:  # a KeyboardInterrupt, caught below, lets the command clean up
-            signal.signal(signal.SIGINT, signal.default_int_handler)
         return command(argv)
     except UsageError as e:
         print(e, file=sys.stderr)
