@@ -32,7 +32,7 @@ MODES = {"default": ("lockstep", {}, True)}
 # after WAITING_TIMEOUT s, holds an aborted request's pages until the prefill node acks
 # the abort or DEFERRED..._TIMEOUT s pass, and a prefill node drops a request no decode
 # node asked for after BOOTSTRAP_TIMEOUT s.
-SHORT_TIMEOUTS = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "8",
+SHORT_TIMEOUTS = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "20",
                   "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "4",
                   "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20"}
 
@@ -106,7 +106,7 @@ class Deployment:
     """A router, prefill node and decode node (pd_harness.Pair) with the controls and
     readings the faults need."""
 
-    def __init__(self, model, workdir, mode, page_size, prefill_tokens, decode_tokens):
+    def __init__(self, model, workdir, mode, page_size, prefill_tokens, decode_tokens, decode_args=()):
         decode_mode, decode_env, self.lockstep = MODES[mode]
         self.page_size, self.decode_tokens = page_size, decode_tokens
         # The evict timer plugin times each decode step's window eviction (the hook's).
@@ -114,7 +114,7 @@ class Deployment:
         pythonpath = pd_harness.node_env(decode_mode, os.path.join(workdir, "decode-probe"))["PYTHONPATH"]
         decode_env = dict(decode_env, SWA_EXT_EVICT_TIMES=self.evict_times,
                           PYTHONPATH=os.pathsep.join([EVICT_TIMER, pythonpath]))
-        self.pair = pd_harness.Pair(model, workdir, decode_mode, page_size, prefill_tokens,
+        self.pair = pd_harness.Pair(model, workdir, decode_mode, page_size, prefill_tokens, decode_extra=decode_args,
                                     decode_max_total_tokens=decode_tokens, env=SHORT_TIMEOUTS, decode_env=decode_env)
         self.hold_path = os.path.join(self.pair.prefill_probe, "hold-transfers")
         self._rid = 0
