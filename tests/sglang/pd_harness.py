@@ -257,7 +257,7 @@ class Pair:
         process = Process("prefill", self._prefill_argv, self._prefill_env,
                           os.path.join(self.workdir, f"prefill-{count + 1}.log"))
         self.processes.append(process)
-        wait_healthy(process, self.prefill_url + "/health", self.START_TIMEOUT)
+        wait_healthy(process, self.prefill_url + "/health", 2 * self.START_TIMEOUT)  # beside two busy nodes
 
     def generate(self, prompts, new_tokens, timeout=600):
         """Greedy generation of each prompt through the router: their output ids."""
