@@ -29,10 +29,12 @@ EVICT_TIMER = os.path.join(pd_harness.HERE, "evict_timer")
 MODES = {"default": ("lockstep", {}, True)}
 
 # SGLang's PD timeouts, short enough for a test: a decode node gives up on a transfer
-# after WAITING_TIMEOUT s, holds an aborted request's pages until the prefill node acks
-# the abort or DEFERRED..._TIMEOUT s pass, and a prefill node drops a request no decode
-# node asked for after BOOTSTRAP_TIMEOUT s.
-SHORT_TIMEOUTS = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "20",
+# after WAITING_TIMEOUT s (unless its heartbeat, every 5 s, finds the prefill node gone
+# first), holds an aborted request's pages until the prefill node acks the abort or
+# DEFERRED..._TIMEOUT s pass, and a prefill node drops a request no decode node asked for
+# after BOOTSTRAP_TIMEOUT s. The waiting timeout must outlast the load's queue at the
+# prefill node (20 s did not, on a busy machine).
+SHORT_TIMEOUTS = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "90",
                   "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "4",
                   "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20"}
 

@@ -6,7 +6,7 @@ probe plugin): ``python fault_spec_run.py MODEL_DIR RESULT_JSON PAGE_SIZE MAX_TO
 Round one streams spec_engine_run's four prompts at once and aborts the first after its
 first verified chunks (SGLang finishes an aborted running request at its next step: a
 verify); round two runs the four to the end. Writes round one's finish reasons and tokens,
-round two's outputs, and the allocator's pools once settled.
+round two's outputs, and the allocator's pools once the prefix cache is flushed.
 """
 import asyncio
 import json
@@ -48,6 +48,8 @@ def main(model_dir, result_path, page_size, max_total_tokens):
     try:
         first = engine.loop.run_until_complete(round_one())
         second = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        # The prefix cache keeps the finished requests' KV: emptied, both pools are whole.
+        engine.flush_cache()
         calls = pd_harness.settled_allocator_calls(os.environ["SWA_EXT_PD_PROBE_DIR"])
     finally:
         engine.shutdown()
