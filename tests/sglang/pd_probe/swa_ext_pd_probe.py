@@ -29,10 +29,10 @@ import time
 
 REPORT_DIR_VARIABLE = "SWA_EXT_PD_PROBE_DIR"
 # The allocator and KV-pool methods counted (those a decode node's lifecycle reaches).
-# free_group_end applies the frees a group deferred.
+# free_group_end applies the frees a group deferred; clear empties the pools (a flushed cache).
 ALLOCATOR_CALLS = ("alloc", "alloc_extend", "alloc_extend_swa_tail", "alloc_decode", "free", "free_swa",
                    "free_full", "free_segment", "free_swa_segment", "free_full_segment", "free_group_end",
-                   "get_cpu_copy", "load_cpu_copy")
+                   "get_cpu_copy", "load_cpu_copy", "clear")
 
 # The longest a transfer waits for the hold to end (a test that failed leaves it).
 HOLD_LIMIT_S = 300
