@@ -4,16 +4,54 @@ entry point that the bench package of a checkout installs)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
+import os
+import signal
 import sys
-import time
 
-from swa_ext._version import __version__
-from swa_ext.outputs import OutputError, check_output, write_all
+import swa_ext
 
 PROG = "swa-ext"
+# Exit status of a run stopped by Ctrl-C (128 + SIGINT), as a shell reports it.
+INTERRUPTED = 130
+
+
+def _interrupted() -> int:
+    """Ctrl-C: one line (after the ^C a terminal shows) and the status."""
+    print(f"\n{PROG}: interrupted" if sys.stderr.isatty() else f"{PROG}: interrupted", file=sys.stderr)
+    return INTERRUPTED
+
+
+def _exit_interrupted(signum=None, frame=None):
+    # While the command starts nothing is written yet, and a KeyboardInterrupt could be
+    # swallowed by a library loading (a bare except): the process ends here.
+    _interrupted()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
+
+
+# Run as the command, a Ctrl-C until the command has loaded what it runs (_started), or after
+# it returned, ends it at once; so does one that swa_ext noted before this module loaded.
+_AS_COMMAND = swa_ext._AS_COMMAND
+if _AS_COMMAND:
+    signal.signal(signal.SIGINT, _exit_interrupted)
+    if swa_ext._noted_interrupts:
+        _exit_interrupted()
+
+
+def _started() -> None:
+    """The command has loaded what it runs: from here Ctrl-C is a KeyboardInterrupt, which
+    lets it clean up before run_command reports it."""
+    if _AS_COMMAND:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+from swa_ext._version import __version__  # noqa: E402
+from swa_ext.outputs import OutputError, check_output, write_all  # noqa: E402
+
 # Where commands shipped outside this package (the bench) register themselves.
 COMMAND_ENTRY_POINTS = "swa_ext.commands"
 
@@ -26,8 +64,6 @@ DEFAULT_STEP_MS = 20.0
 # The default trace's --tuned-on: the other bundled trace, at the rate the docs replay it.
 DEFAULT_TUNED_ON = ("mooncake_conversation_trace_2000.jsonl", 0.1)
 
-# Exit status of a run stopped by Ctrl-C (128 + SIGINT), as a shell reports it.
-INTERRUPTED = 130
 # Where the per-step cost of eviction at each interval is measured.
 EVICTION_COST_DOC = "docs/sglang-eviction.md"
 
@@ -154,6 +190,7 @@ def simulate_main(argv: list[str]) -> int:
     from swa_ext.models import get_model
     from swa_ext.traces import DEFAULT_TRACE, TraceError, load_trace
 
+    _started()
     try:
         if args.json is not None:
             check_output(f"{PROG} simulate: error: argument --json", args.json)
@@ -217,7 +254,9 @@ def bench_main(argv: list[str]) -> int:
     if not found:
         raise UsageError(f"{PROG} bench: error: the benchmarks are not installed; "
                          "from a checkout of swa_ext: pip install ./bench")
-    return next(iter(found)).load()(argv) or 0
+    bench = next(iter(found)).load()
+    _started()
+    return bench(argv) or 0
 
 
 COMMANDS = {"simulate": simulate_main, "bench": bench_main}
@@ -235,27 +274,29 @@ def run_command(command, argv: list[str]) -> int:
         # --help and --version print and stop.
         return e.code or 0
     except KeyboardInterrupt:
-        # Ctrl-C: the reports are written through temporary files, so nothing is left.
-        print(f"\n{PROG}: interrupted" if sys.stderr.isatty() else f"{PROG}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        # Ctrl-C, torch's import included: the reports are written through temporary
+        # files, so nothing is left.
+        return _interrupted()
     except OSError as e:
         # A report that could not be written after all (the disk filled up).
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if _AS_COMMAND:
+            signal.signal(signal.SIGINT, _exit_interrupted)
+
+
+def _chosen(args: list[str]) -> int:
+    if not args or args[0] not in COMMANDS:
+        # Only the command is parsed here; each command parses its own options.
+        top = _Parser(prog=PROG, description="swa_ext tools.")
+        top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+        top.add_argument("command", choices=sorted(COMMANDS),
+                         help="simulate: replay a trace on a simulated decode node; "
+                         "bench: allocator micro-benchmarks")
+        top.parse_args(args[:1])
+    return COMMANDS[args[0]](args[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    top = _Parser(prog=PROG, description="swa_ext tools.")
-    top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    top.add_argument("command", choices=sorted(COMMANDS),
-                     help="simulate: replay a trace on a simulated decode node; "
-                     "bench: allocator micro-benchmarks")
-
-    def chosen(args: list[str]) -> int:
-        if not args or args[0] not in COMMANDS:
-            # Only the command is parsed here; each command parses its own options.
-            top.parse_args(args[:1])
-        return COMMANDS[args[0]](args[1:])
-
-    return run_command(chosen, argv)
+    return run_command(_chosen, list(sys.argv[1:] if argv is None else argv))

@@ -3,9 +3,11 @@
 import importlib.metadata
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -195,6 +197,37 @@ def test_ctrl_c_in_simulate_is_one_line_status_130_and_leaves_nothing(tmp_path):
                              tmp_path, "run full", "stdout")
     assert code == cli.INTERRUPTED == 130
     assert err == ["swa-ext: interrupted"]
+    assert list(tmp_path.iterdir()) == []
+
+
+# Where Ctrl-C lands in swa-ext simulate's start-up: after the importtime line of a module
+# (printed once it has loaded), plus a delay. "swa_ext": the package has loaded, the command
+# module loads next (CPython's own start-up comes before it); "numpy" and "torch._C": the
+# simulator's imports, torch's import in progress (seconds on a busy machine); then the
+# delays reach the run itself.
+START_UP_MOMENTS = [("swa_ext", 0.0), ("swa_ext", 0.05), ("swa_ext.cli", 0.0), ("numpy", 0.0), ("torch._C", 0.0),
+                    ("swa_ext", 0.5), ("swa_ext", 1.5), ("swa_ext", 3.0)]
+
+
+@pytest.mark.parametrize("module, delay", START_UP_MOMENTS, ids=[f"{m}+{d}s" for m, d in START_UP_MOMENTS])
+def test_ctrl_c_at_any_moment_of_simulate_start_up_is_one_line_status_130(module, delay, tmp_path):
+    """The installed swa-ext command itself, interrupted while it starts: one line, status
+    130, no traceback, whatever was loading (PYTHONPROFILEIMPORTTIME says what has)."""
+    command = Path(sys.executable).with_name("swa-ext")
+    proc = subprocess.Popen([str(command), "simulate", "--max-requests", "3000", "--json", "r.json"], cwd=tmp_path,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for line in proc.stderr:
+        if line.rstrip().rpartition("|")[2].strip() == module:
+            break
+    else:
+        raise AssertionError(f"{module} never loaded: {proc.wait()}")
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if not line.startswith("import time:")]
+    assert (proc.returncode, lines) == (cli.INTERRUPTED, ["swa-ext: interrupted"])
     assert list(tmp_path.iterdir()) == []
 
 

@@ -38,6 +38,10 @@ HOST = "127.0.0.1"
 CPU_ENGINE_ARGS = {"device": "cpu", "attention_backend": "triton", "triton_attention_num_kv_splits": 1,
                    "disable_cuda_graph": True}
 DECODE_CPU_ARGS = {"disaggregation_decode_retraction_backup": "cpu_tensor"}
+# - a prefill node sends a prompt's cached prefix early, after recording a CUDA event
+#   (its overlap scheduler): without CUDA a repeated prompt kills its scheduler, so the
+#   prefill node keeps no prefix cache.
+PREFILL_CPU_ARGS = {"disable_radix_cache": True}
 
 
 def node_env(mode, probe_dir, lockstep_report=None):
@@ -132,6 +136,8 @@ class Process:
             return f.read()[-tail:] if tail else f.read()
 
     def stop(self, grace=20):
+        if self._log.closed:  # stopped or killed already
+            return
         # The leader first: SGLang's server then stops its subprocess watchdog and ends its
         # scheduler itself (a scheduler killed under it is logged as crashed); then the group.
         steps = ((os.kill, signal.SIGTERM, grace), (os.killpg, signal.SIGTERM, 10), (os.killpg, signal.SIGKILL, 10))
@@ -146,6 +152,13 @@ class Process:
         # The group may outlive its leader (SGLang's scheduler, Mooncake's threads).
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+    def kill(self):
+        """SIGKILL to the whole group at once, as when its machine dies."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
         self._log.close()
 
 
@@ -184,8 +197,7 @@ def server_argv(model, page_size, max_total_tokens, port, mode=None, bootstrap_p
     if mode is not None:
         args.update(disaggregation_mode=mode, disaggregation_transfer_backend="mooncake_tcp",
                     disaggregation_bootstrap_port=bootstrap_port)
-        if mode == "decode":
-            args.update(DECODE_CPU_ARGS)
+        args.update(DECODE_CPU_ARGS if mode == "decode" else PREFILL_CPU_ARGS)
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
@@ -204,19 +216,26 @@ class Pair:
 
     START_TIMEOUT = 300  # seconds: the nodes' start on a loaded 2-core machine took 31-51 s
 
-    def __init__(self, model, workdir, decode_mode, page_size, max_total_tokens, decode_extra=()):
+    def __init__(self, model, workdir, decode_mode, page_size, max_total_tokens, decode_extra=(),
+                 decode_max_total_tokens=None, env=None, decode_env=None):
+        """``decode_max_total_tokens``: the decode node's pool when it differs from the
+        prefill node's; ``env``: settings of both nodes, ``decode_env``: of the decode node
+        (with ``decode_mode``'s own, such as SWA_EXT_SHARED)."""
         self.workdir = workdir
         self.prefill_probe, self.decode_probe = (os.path.join(workdir, f"{role}-probe") for role in ("prefill", "decode"))
         self.lockstep_report = os.path.join(workdir, "decode-lockstep.json") if decode_mode == "lockstep" else None
         bootstrap, ports = free_port(), [free_port() for _ in range(3)]
         self.prefill_url, self.decode_url, self.url = (f"http://{HOST}:{port}" for port in ports)
+        self.bootstrap_port = bootstrap
         self.processes = []
+        self._prefill_argv = server_argv(model, page_size, max_total_tokens, ports[0], "prefill", bootstrap)
+        self._prefill_env = dict(node_env("sglang", self.prefill_probe), **(env or {}))
         try:
-            prefill = self._start("prefill", server_argv(model, page_size, max_total_tokens, ports[0], "prefill",
-                                                         bootstrap), node_env("sglang", self.prefill_probe))
-            decode = self._start("decode", server_argv(model, page_size, max_total_tokens, ports[1], "decode", bootstrap,
-                                                       decode_extra),
-                                 node_env(decode_mode, self.decode_probe, self.lockstep_report))
+            prefill = self._start("prefill", self._prefill_argv, self._prefill_env)
+            decode = self._start("decode", server_argv(model, page_size, decode_max_total_tokens or max_total_tokens,
+                                                       ports[1], "decode", bootstrap, decode_extra),
+                                 dict(node_env(decode_mode, self.decode_probe, self.lockstep_report), **(env or {}),
+                                      **(decode_env or {})))
             wait_healthy(prefill, self.prefill_url + "/health", self.START_TIMEOUT)
             wait_healthy(decode, self.decode_url + "/health", self.START_TIMEOUT)
             router = self._start("router", router_argv(ports[2], self.prefill_url, bootstrap, self.decode_url),
@@ -231,6 +250,21 @@ class Pair:
         self.processes.append(process)
         return process
 
+    def process(self, role):
+        """The live process of a role (the latest one started)."""
+        return next(p for p in reversed(self.processes) if p.name == role)
+
+    def kill_prefill(self):
+        self.process("prefill").kill()
+
+    def start_prefill(self):
+        """A new prefill node at the killed one's addresses (the router's list is fixed)."""
+        count = sum(p.name == "prefill" for p in self.processes)
+        process = Process("prefill", self._prefill_argv, self._prefill_env,
+                          os.path.join(self.workdir, f"prefill-{count + 1}.log"))
+        self.processes.append(process)
+        wait_healthy(process, self.prefill_url + "/health", 2 * self.START_TIMEOUT)  # beside two busy nodes
+
     def generate(self, prompts, new_tokens, timeout=600):
         """Greedy generation of each prompt through the router: their output ids."""
         out = http_json(self.url + "/generate", {"input_ids": prompts, "sampling_params": {
@@ -238,7 +272,7 @@ class Pair:
         return [o["output_ids"] for o in out]
 
     def logs(self):
-        return {p.name: p.log(tail=None) for p in self.processes}
+        return {os.path.basename(p.log_path)[:-4]: p.log(tail=None) for p in self.processes}
 
     def stop(self):
         for process in reversed(self.processes):

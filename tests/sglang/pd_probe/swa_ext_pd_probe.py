@@ -14,6 +14,10 @@ each process replaces whole as it goes (a server may be killed at any time):
   full-attention layers' KV, ``swa``: the sliding-window layers', ``aux``: per-request
   metadata), with the bytes per item (a KV page) and the number of buffers of each.
 
+While a file ``hold-transfers`` exists in that directory, a prefill node's transfers wait
+before they start (the test's way to catch requests with their KV in transfer); each
+transfer that waited is counted in ``held-<pid>.json``.
+
 Without CUDA it also makes the one CPU-only setting a Mooncake prefill node needs
 (why: beside it), here and not in swa_ext; scripts/run-pd-demo.sh loads it for that.
 """
@@ -21,13 +25,17 @@ import functools
 import json
 import os
 import threading
+import time
 
 REPORT_DIR_VARIABLE = "SWA_EXT_PD_PROBE_DIR"
 # The allocator and KV-pool methods counted (those a decode node's lifecycle reaches).
-# free_group_end applies the frees a group deferred.
+# free_group_end applies the frees a group deferred; clear empties the pools (a flushed cache).
 ALLOCATOR_CALLS = ("alloc", "alloc_extend", "alloc_extend_swa_tail", "alloc_decode", "free", "free_swa",
                    "free_full", "free_segment", "free_swa_segment", "free_full_segment", "free_group_end",
-                   "get_cpu_copy", "load_cpu_copy")
+                   "get_cpu_copy", "load_cpu_copy", "clear")
+
+# The longest a transfer waits for the hold to end (a test that failed leaves it).
+HOLD_LIMIT_S = 300
 
 _lock = threading.Lock()
 
@@ -145,8 +153,18 @@ def _measure_sent_bytes():
         return [(int(p), int(p) + int(n), name, int(item)) for name, ptrs, lens, items in found
                 for p, n, item in zip(ptrs, lens, items)]
 
+    hold = os.path.join(os.environ[REPORT_DIR_VARIABLE], "hold-transfers")
+    held, write_held = _writer("held")
+
     @functools.wraps(transfer)
     def transfer_data(self, mooncake_session_id, transfer_blocks):
+        if os.path.exists(hold):
+            with _lock:
+                held["transfers"] = held.get("transfers", 0) + 1
+                write_held()
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.05)
         ret = transfer(self, mooncake_session_id, transfer_blocks)
         if ret == 0 and transfer_blocks:
             bounds = regions(self.kv_args)

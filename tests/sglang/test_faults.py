@@ -1,0 +1,416 @@
+"""Faults on a real prefill/decode deployment of SGLang on the CPU, the decode node on
+swa_ext (tests/sglang/fault_harness.py): SGLang's router, a prefill node and a decode node
+on 127.0.0.1, the KV over Mooncake's TCP transport, SGLang's strict memory and KV-page
+checks on, a decode pool small enough that the node retracts requests under load.
+
+One deployment per page size and allocator mode serves every fault in turn: clients that
+hang up (waiting for prefill, with their KV in transfer, decoding), SGLang's abort endpoint
+(a running request, a waiting one, all), the prefill node SIGKILLed with requests in
+transfer (then a new one joins), a request longer than the decode pool, and waves of
+concurrent requests. After each, the decode node must be whole: back to the free pages it
+started with in both pools (swa_ext's counters; SGLang's idle check would stop the node),
+alive, its next answers those of one engine, no problem in its log but those the fault
+causes; and in the default mode, run in lockstep with SGLang's allocator, no divergence.
+"""
+import json
+import os
+import sys
+import time
+import traceback
+
+import pytest
+
+import fault_harness
+import pd_harness
+from fault_harness import prompt, wait_for
+
+try:
+    import mooncake.engine  # noqa: F401
+    import sglang_router  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the venv
+    pytest.skip(f"the deployment needs Mooncake's transfer engine and SGLang's router ({e}): run "
+                "scripts/setup-sglang.sh", allow_module_level=True)
+
+PAGE_SIZES = (16, 1)
+PREFILL_TOKENS = 16384
+# The decode pool: a few requests of the load at once; with a reserve of 8 tokens a request
+# for its decoding (SGLang's default: 512), the node admits more than can grow, and retracts.
+DECODE_TOKENS = 2048
+DECODE_ARGS = ("--num-reserved-decode-tokens", "8")
+# The requests sent after each fault (longer than the 64-token window but the first).
+CHECK = [prompt(100 + i, n) for i, n in enumerate((40, 130, 300))]
+CHECK_NEW = 16
+# The load: waves of concurrent requests of mixed prompt and output lengths.
+# (SWA_EXT_FAULTS_LOAD_WAVES, sizes separated by commas, sets smaller waves on a machine too
+# busy for these: a triton-interpreted decode step of 256 requests takes seconds.)
+LOAD_WAVES = tuple(int(n) for n in os.environ.get("SWA_EXT_FAULTS_LOAD_WAVES", "64,256").split(","))
+LOAD_MAX_NEW = 24
+
+
+def load_wave(size):
+    gen = __import__("random").Random(size)
+    return [(prompt(1000 * size + i, gen.randrange(8, 160)), gen.randrange(4, LOAD_MAX_NEW + 1)) for i in range(size)]
+
+
+# What each fault may leave in the decode node's log (fault_harness.PROBLEM finds the
+# lines): the regular expressions its lines must match, beyond those every fault may show.
+# SGLang's deprecation warning, printed (with its source line) when it answers an error.
+EVERY_FAULT = [r"FastAPIDeprecationWarning: ORJSONResponse is deprecated", r"^\s+return _create_error_response\(e\)$"]
+ABORT_POSTED = r'"POST /abort_request HTTP/1.1" 200 OK'
+
+
+def aborted(tag):
+    """SGLang's line for a request of the fault's own (rid tag-N) given up before it decoded."""
+    return rf"Decode (transfer|handshake) failed for request .*rid='{tag}-\d+'.*Aborted by AbortReq\.$"
+
+
+EXPECTED_PROBLEMS = {
+    "close_waiting": [aborted("close-waiting")],
+    "close_in_transfer": [aborted("close-transfer")],
+    "close_decoding": [],
+    "abort_running": [ABORT_POSTED],
+    "abort_waiting": [ABORT_POSTED, aborted("abort-waiting")],
+    "abort_all": [ABORT_POSTED, aborted("abort-all-waiting")],
+    "prefill_killed": [r"Some requests fail to receive KV Cache transfer done signal after bootstrapping",
+                       r"Decode transfer failed for request .*rid='killed-\d+'.*(timed out after [\d.]+s in "
+                       r"KVPoll\.WaitingForInput|Lost connection with prefill instance \(bootstrap_addr: [\d.:]+\))$",
+                       r'"POST /generate HTTP/1\.1" 500 Internal Server Error$',
+                       r"Deferred KV release for room \d+ timed out after [\d.]+s without a full drain ack from "
+                       r"prefill; releasing anyway\.$",
+                       r"Attempting to reconnect to 127\.0\.0\.1:\d+\.\.\.$",
+                       r"Lost connection with prefill instance \(bootstrap_addr: 127\.0\.0\.1:\d+\), \d+ requests affected$"],
+    "too_long": [r"Input length \(\d+ tokens\) exceeds the maximum allowed length \(\d+ tokens\)",
+                 r'"POST /generate HTTP/1\.1" 400 Bad Request$'],
+    "load": [],
+}
+
+
+def start_reference(model, workdir, page_size, name, rounds, new_tokens):
+    """Rounds of prompts on one non-disaggregated engine (SGLang's allocator), in the
+    background: its process and the path of its outputs (each request's output through the
+    deployment is a prefix of its output here)."""
+    spec_path, result = os.path.join(workdir, f"{name}-spec.json"), os.path.join(workdir, f"{name}.json")
+    with open(spec_path, "w") as f:
+        json.dump({"model": model, "rounds": rounds, "new_tokens": new_tokens,
+                   "engine_args": {"page_size": page_size, "max_total_tokens": PREFILL_TOKENS}}, f)
+    env = pd_harness.node_env("sglang", os.path.join(workdir, f"{name}-probe"))
+    process = pd_harness.Process(name, [sys.executable, pd_harness.__file__, "engine", spec_path, result],
+                                 env, os.path.join(workdir, f"{name}.log"))
+    return process, result
+
+
+def reference_rounds(process, result, timeout=1800):
+    process.proc.wait(timeout=timeout)
+    assert process.proc.returncode == 0, f"{process.name} failed:\n{process.log()}"
+    with open(result) as f:
+        return json.load(f)["rounds"]
+
+
+# --- the faults: each returns what it saw --------------------------------------------
+
+
+def preallocated(dep, before, count=1, timeout=20):
+    """Whether the decode node preallocated ``count`` more requests' pages (their window
+    tail) within timeout seconds. At page size 1 SGLang preallocates with ``alloc``, which
+    decoding requests call too: a wait of 3 s, and None."""
+    if dep.page_size == 1:
+        time.sleep(3)
+        return None
+    try:
+        return bool(wait_for(lambda: dep.calls().get("alloc_extend_swa_tail", 0) >= before + count, timeout,
+                             "prealloc"))
+    except TimeoutError:
+        return False
+
+
+# How long the decode node takes to see a client gone (SGLang polls every 4 s), with margin.
+DISCONNECT_NOTICED_S = 6
+
+
+def close_waiting(dep):
+    dep.pause_prefill()
+    try:
+        before, since = dep.calls().get("alloc_extend_swa_tail", 0), len(dep.decode_log())
+        stream = dep.stream(CHECK[2], 200, "close-waiting")
+        seen = {"preallocated": preallocated(dep, before)}
+        stream.close()
+        seen["abort_logged"] = dep.wait_logged(stream.rid, since, DISCONNECT_NOTICED_S + 4)
+    finally:
+        dep.continue_prefill()
+    return seen
+
+
+def close_in_transfer(dep):
+    dep.hold_transfers()
+    try:
+        held, since = dep.held_transfers(), len(dep.decode_log())
+        stream = dep.stream(CHECK[1], 200, "close-transfer")
+        wait_for(lambda: dep.held_transfers() > held, 60, "a transfer held")
+        stream.close()
+        seen = {"abort_logged": dep.wait_logged(stream.rid, since, DISCONNECT_NOTICED_S + 4)}
+    finally:
+        dep.release_transfers()
+    seen["held_transfers"] = dep.held_transfers() - held
+    return seen
+
+
+def close_decoding(dep):
+    stream = dep.stream(CHECK[2], 200, "close-decoding")
+    stream.read(3)
+    stream.close()
+    time.sleep(DISCONNECT_NOTICED_S)
+    return {"tokens_read": len(stream.chunks)}
+
+
+def abort_running(dep):
+    stream = dep.stream(CHECK[2], 200, "abort-running")
+    stream.read(3)
+    dep.abort(stream.rid)
+    return {"finish_reason": stream.finish_reason(), "chunks": len(stream.chunks)}
+
+
+def abort_waiting(dep):
+    dep.pause_prefill()
+    try:
+        before = dep.calls().get("alloc_extend_swa_tail", 0)
+        stream = dep.stream(CHECK[2], 200, "abort-waiting")
+        seen = {"preallocated": preallocated(dep, before)}
+        dep.abort(stream.rid)
+        seen["finish_reason"] = stream.finish_reason()
+    finally:
+        dep.continue_prefill()
+    return seen
+
+
+def abort_all(dep):
+    running = [dep.stream(p, 200, "abort-all-running") for p in CHECK]
+    for stream in running:
+        stream.read(2)
+    dep.pause_prefill()
+    try:
+        before = dep.calls().get("alloc_extend_swa_tail", 0)
+        waiting = [dep.stream(p, 200, "abort-all-waiting") for p in CHECK[:2]]
+        seen = {"preallocated": preallocated(dep, before, 2)}
+        dep.abort()
+        seen["finish_reasons"] = [s.finish_reason() for s in running + waiting]
+    finally:
+        dep.continue_prefill()
+    return seen
+
+
+def prefill_killed(dep):
+    dep.hold_transfers()
+    held = dep.held_transfers()
+    clients = [dep.direct(p, CHECK_NEW, "killed") for p in CHECK]
+    seen = {}
+    try:
+        wait_for(lambda: dep.held_transfers() > held, 60, "a transfer held")
+        time.sleep(2)  # the other requests' transfers reach the hold too, as far as they get
+        seen["held_transfers"] = dep.held_transfers() - held
+    finally:
+        killed = time.monotonic()
+        dep.pair.kill_prefill()
+        dep.release_transfers()
+        try:
+            for client in clients:
+                client.join(timeout=300)
+            seen["answers"] = [client.result for client in clients]
+            seen["answered_after_s"] = round(time.monotonic() - killed, 1)
+        finally:
+            start = time.monotonic()
+            dep.pair.start_prefill()
+            seen["new_prefill_start_s"] = round(time.monotonic() - start, 1)
+    return seen
+
+
+def too_long(dep):
+    before = dep.free_pages()
+    client = dep.direct(prompt(7, DECODE_TOKENS + 64), 8, "too-long", to_prefill=False)
+    client.join(timeout=120)
+    return {"answer": client.result, "pages_before": before, "pages_after": dep.free_pages()}
+
+
+def load(dep):
+    retracted = dep.calls().get("get_cpu_copy", 0)
+    waves = []
+    for size in LOAD_WAVES:
+        requests = load_wave(size)
+        start = time.monotonic()
+        outputs = dep.generate([p for p, _ in requests], [n for _, n in requests])
+        waves.append({"size": size, "outputs": outputs, "wall_s": round(time.monotonic() - start, 1)})
+    return {"waves": waves, "retractions": dep.calls().get("get_cpu_copy", 0) - retracted}
+
+
+FAULTS = [close_waiting, close_in_transfer, close_decoding, abort_running, abort_waiting, abort_all, prefill_killed,
+          too_long, load]
+
+
+@pytest.fixture(scope="module", params=[(mode, page) for mode in fault_harness.MODES for page in PAGE_SIZES],
+                ids=lambda p: f"{p[0]}-page{p[1]}")
+def faults_run(request, tiny_model):
+    mode, page_size = request.param
+    workdir = os.path.join(os.path.dirname(tiny_model), f"faults-{mode}-page{page_size}")
+    os.makedirs(workdir, exist_ok=True)
+    walls, run = {}, {"faults": {}}
+    start = time.monotonic()
+    # The check requests' reference first: it is short, the load's is long.
+    references = [start_reference(tiny_model, workdir, page_size, "reference-check", [CHECK], CHECK_NEW),
+                  start_reference(tiny_model, workdir, page_size, "reference-load",
+                                  [[p for p, _ in load_wave(size)] for size in LOAD_WAVES], LOAD_MAX_NEW)]
+    try:
+        dep = fault_harness.Deployment(tiny_model, workdir, mode, page_size, PREFILL_TOKENS, DECODE_TOKENS,
+                                       DECODE_ARGS)
+        try:
+            walls["start"] = time.monotonic() - start
+            run["baseline"] = dep.wait_idle(dep.pool_pages())
+            for fault in FAULTS:
+                since, start = len(dep.decode_log()), time.monotonic()
+                record = {}
+                try:
+                    record["seen"] = fault(dep)
+                except Exception:  # noqa: BLE001 - the fault's test reports it
+                    record["failed"] = traceback.format_exc()
+                record["pages"] = dep.wait_idle(run["baseline"])
+                record["alive"] = dep.decode_alive()
+                try:
+                    record["check"] = dep.generate(CHECK, [CHECK_NEW] * len(CHECK)) if record["alive"] else None
+                except Exception:  # noqa: BLE001
+                    record["check_failed"] = traceback.format_exc()
+                record["problems"] = dep.decode_problems(since)
+                record["wall_s"] = round(time.monotonic() - start, 1)
+                run["faults"][fault.__name__] = record
+                print(f"fault {fault.__name__} ({mode}, page {page_size}): {record['wall_s']} s, pages "
+                      f"{record['pages']} of {run['baseline']}, seen "
+                      f"{json.dumps(record.get('seen'), default=str)[:600]}; problems {record['problems'][:8]}")
+            run["lockstep"] = dep.lockstep_counts() if dep.lockstep else None
+            run["calls"] = dep.calls()
+            run["decode_log"] = dep.decode_log()
+            run["evict_steps"] = dep.evict_steps()
+        finally:
+            dep.stop()
+        walls["deployment"] = time.monotonic() - start
+        run["reference"] = {"check": reference_rounds(*references[0])[0], "load": reference_rounds(*references[1])}
+    finally:
+        for process, _ in references:
+            process.stop()
+    steps = run.get("evict_steps") or [[0, 0.0]]
+    largest = max(size for size, _ in steps)
+    at_largest = sorted(us for size, us in steps if size == largest)
+    print(f"faults walls ({mode}, page {page_size}): {walls}; decode calls {run.get('calls')}; window eviction at "
+          f"the largest decode batch ({largest} requests, lockstep included): median "
+          f"{at_largest[len(at_largest) // 2]:.0f} µs over {len(at_largest)} steps")
+    return run
+
+
+def check_after(run, name):
+    """The checks after every fault: the pages, the node, its next answers, its log."""
+    record = run["faults"][name]
+    assert "failed" not in record, record["failed"]
+    assert record["alive"], "the decode node died:\n" + run["decode_log"][-6000:]
+    assert record["pages"] == run["baseline"], (record["pages"], run["baseline"])
+    assert "check_failed" not in record, record.get("check_failed")
+    assert record["check"] == [r[:CHECK_NEW] for r in run["reference"]["check"]]
+    allowed = [__import__("re").compile(p) for p in EXPECTED_PROBLEMS[name] + EVERY_FAULT]
+    unexpected = [line for line in record["problems"] if not any(p.search(line) for p in allowed)]
+    assert not unexpected, unexpected[:20]
+    return record["seen"]
+
+
+def test_client_hangs_up_while_waiting_for_prefill(faults_run):
+    seen = check_after(faults_run, "close_waiting")
+    assert seen["preallocated"] is not False and seen["abort_logged"], seen
+
+
+def test_client_hangs_up_with_its_kv_in_transfer(faults_run):
+    seen = check_after(faults_run, "close_in_transfer")
+    assert seen["held_transfers"] >= 1 and seen["abort_logged"], seen
+
+
+def test_client_hangs_up_while_decoding(faults_run):
+    assert check_after(faults_run, "close_decoding")["tokens_read"] == 3
+
+
+def test_abort_endpoint_running_request(faults_run):
+    seen = check_after(faults_run, "abort_running")
+    assert seen["finish_reason"]["type"] == "abort", seen
+
+
+def test_abort_endpoint_waiting_request(faults_run):
+    seen = check_after(faults_run, "abort_waiting")
+    assert seen["preallocated"] is not False and seen["finish_reason"]["type"] == "abort", seen
+
+
+def test_abort_endpoint_all_requests(faults_run):
+    seen = check_after(faults_run, "abort_all")
+    assert [r["type"] for r in seen["finish_reasons"]] == ["abort"] * 5, seen
+
+
+def test_prefill_node_killed_with_requests_in_transfer(faults_run):
+    """The decode node gives up on the requests after SGLang's waiting timeout and answers
+    their clients with an error; a new prefill node at the same address serves the next."""
+    seen = check_after(faults_run, "prefill_killed")
+    assert seen["held_transfers"] >= 1, seen
+    timeout = float(fault_harness.SHORT_TIMEOUTS["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"])
+    for status, body in seen["answers"]:
+        # SGLang's heartbeat (every 5 s, two misses) may find the node gone first.
+        waited = __import__("re").search(r"timed out after ([\d.]+)s in KVPoll\.WaitingForInput", str(body))
+        lost = "Lost connection with prefill instance" in str(body)
+        assert status == 500 and (lost or waited and float(waited.group(1)) >= timeout), seen["answers"]
+
+
+def test_request_longer_than_the_decode_pool_is_refused(faults_run):
+    seen = check_after(faults_run, "too_long")
+    status, body = seen["answer"]
+    assert status == 400 and "exceeds the maximum allowed length" in str(body), seen
+    assert seen["pages_after"] == seen["pages_before"]
+
+
+def test_load_waves_complete_as_one_engine_with_retractions(faults_run):
+    seen = check_after(faults_run, "load")
+    for wave, reference in zip(seen["waves"], faults_run["reference"]["load"]):
+        lengths = [n for _, n in load_wave(wave["size"])]
+        assert wave["outputs"] == [r[:n] for r, n in zip(reference, lengths)]
+    assert seen["retractions"] > 0, seen["retractions"]
+
+
+def test_no_lockstep_divergence(faults_run):
+    assert "LockstepDivergence" not in faults_run["decode_log"]
+    if faults_run["lockstep"] is not None:
+        calls, lockstep = faults_run["calls"], faults_run["lockstep"]
+        for call in ("alloc_extend_swa_tail", "alloc_decode", "free_segment"):
+            assert lockstep.get(call) == calls.get(call), (call, calls, lockstep)
+
+
+@pytest.mark.parametrize("mode", list(fault_harness.MODES))
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_abort_in_mid_verify_with_ngram_and_eviction_every_step(tiny_model, mode, page_size):
+    """SGLang's single engine with NGRAM speculative decoding and window eviction every
+    step: a request aborted while the batch verifies drafts ends as aborted, the pools are
+    whole again, the same requests then give SGLang's own outputs (its allocator alone)."""
+    from test_engine import run_script
+    from test_spec_engine import TIGHT_POOL, engine_env, run_spec_engine
+
+    sglang_mode, mode_env, lockstep = fault_harness.MODES[mode]
+    out_dir = os.path.join(os.path.dirname(tiny_model), f"fault-spec-{mode}-page{page_size}")
+    os.makedirs(out_dir, exist_ok=True)
+    result, report, probe = (os.path.join(out_dir, name) for name in ("result.json", "lockstep.json", "probe"))
+    env = dict(engine_env(sglang_mode, 1, report), SWA_EXT_PD_PROBE_DIR=probe, **mode_env)
+    env["PYTHONPATH"] = os.pathsep.join([pd_harness.PROBE, pd_harness.HERE, env["PYTHONPATH"]])
+    proc, log, counts, wall = run_script([os.path.join(pd_harness.HERE, "fault_spec_run.py"), tiny_model, result,
+                                          str(page_size), str(TIGHT_POOL)], env, out_dir, report)
+    assert proc.returncode == 0, log[-6000:]
+    with open(result) as f:
+        run = json.load(f)
+    print(f"abort in mid-verify, page {page_size}: {wall:.0f} s; round one {run['round1']}; calls {run['calls']}")
+    reasons = [r["finish_reason"]["type"] for r in run["round1"]]
+    assert reasons == ["abort", "length", "length", "length"], run["round1"]
+    assert run["round1"][0]["spec_verify_ct"] >= 1  # it verified before the abort
+    assert run["calls"]["free_after_last_call"] == run["calls"]["pool_sizes"]
+    assert "LockstepDivergence" not in log
+    if lockstep:
+        assert counts.get("maybe_evict_swa", 0) > 0 and counts.get("free_segment", 0) >= 8, counts
+    reference = run_spec_engine(tiny_model, None, "NGRAM", 4, page_size, 1, "sglang")
+    assert reference.rows is not None, reference.log[-6000:]
+    assert run["round2"] == [r["output_ids"] for r in reference.rows]
+    problems = [line for line in log.splitlines() if fault_harness.PROBLEM.search(line)]
+    assert not [line for line in problems if "abort" not in line.lower()], problems[:20]
