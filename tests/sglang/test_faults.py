@@ -24,6 +24,11 @@ import fault_harness
 import pd_harness
 from fault_harness import prompt, wait_for
 
+# Not in CI yet: on a busy 2-core machine the file took about 37 minutes and its load waves
+# timed out in SGLang's transfer wait (docs/pd-deployment.md, "Faults"). Run it with
+# scripts/run-tests.sh --slow tests/sglang/test_faults.py.
+pytestmark = pytest.mark.slow
+
 try:
     import mooncake.engine  # noqa: F401
     import sglang_router  # noqa: F401
