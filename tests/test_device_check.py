@@ -59,7 +59,7 @@ def test_the_selections_collect_only_cuda_parameters(dry_run):
     counts = {k: int(v) for k, v in counts.items()}
     assert counts["golden"] == GOLDEN_TRACES > 0  # one cuda parameter per trace
     assert counts["cuda"] >= 20
-    assert counts["bad_input"] == 16  # two hostile-value tests x kinds x page sizes
+    assert counts["bad_input"] == 17  # two hostile-value tests x kinds x page sizes, and the shared mode refused on cuda
     assert counts["layer"] >= 6
     assert counts["sanitized"] >= 2
     if (ROOT / "tests" / "test_misuse.py").exists():
