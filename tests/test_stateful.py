@@ -571,8 +571,10 @@ def test_native_matches_reference(page_size, need_sort, shared, request):
     _run(_machine(page_size, need_sort, shared=shared), request.config.getoption("--slow"), CI_EXAMPLES)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["default", "shared"])
 @pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_device_algorithm_matches_reference(page_size, need_sort, request):
-    """The CUDA path's ops, run element by element on the CPU, against the reference."""
-    _run(_machine(page_size, need_sort, "emulated"), request.config.getoption("--slow"), CI_EXAMPLES_EMULATED)
+def test_device_algorithm_matches_reference(page_size, need_sort, shared, request):
+    """The CUDA path's ops, run element by element on the CPU, against the reference
+    (which the CPU store matches call by call in test_native_matches_reference)."""
+    _run(_machine(page_size, need_sort, "emulated", shared), request.config.getoption("--slow"), CI_EXAMPLES_EMULATED)

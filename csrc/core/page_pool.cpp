@@ -27,8 +27,10 @@ std::shared_ptr<PagePool> PagePool::swa_side_of(PagePool& full_side) {
 
 PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
                               std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
-                              std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids) {
-  PagePool pool(size, page_size, need_sort);
+                              std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids,
+                              const PageKind& kind, bool shares_list) {
+  PagePool pool(size, page_size, need_sort, kind);
+  pool.shares_list_ = shares_list;
   if (static_cast<int64_t>(free_list.size()) > pool.num_pages_ || static_cast<int64_t>(state.size()) != pool.num_pages_ + 1)
     throw std::logic_error("pool snapshot of the wrong shape");
   std::copy(free_list.begin(), free_list.end(), pool.list_->ring.begin());

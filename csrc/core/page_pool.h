@@ -60,9 +60,11 @@ class PagePool final : public PoolStore {
   // claims and free-group queues.
   static std::shared_ptr<PagePool> swa_side_of(PagePool& full_side);
   // A pool with the given contents (a device pool's snapshot); check_invariants() vets it.
+  // shares_list: a side of the shared mode, holding pages of `kind`.
   static PagePool from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
                              std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
-                             std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids);
+                             std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids,
+                             const PageKind& kind, bool shares_list);
 
   // PoolStore
   int64_t size() const override { return size_; }

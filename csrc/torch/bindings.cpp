@@ -270,9 +270,6 @@ struct HybridHandle {
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
     const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size, shared);
     std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
-    if (shared && executor)
-      throw py::value_error("shared: the shared mode runs on kernels='cpu' only for now, got kernels='" +
-                            std::string(executor->kernels()) + "'");
     const auto demands = {pool_demand("size", size, page_size, true),
                           pool_demand("size_swa", size_swa, page_size, false)};
     build_pools(device, demands, [&] {
@@ -281,8 +278,8 @@ struct HybridHandle {
       int64_t* table = mapping.data_ptr<int64_t>();
       std::unique_ptr<swa::HybridStore> store;
       if (executor)
-        store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, debug, table,
-                                                         mapping_len);
+        store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, shared, debug,
+                                                         table, mapping_len);
       else
         store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, shared, table,
                                                        mapping_len);
