@@ -175,6 +175,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert n.full_available_size() == r.full_available_size()
         assert n.swa_available_size() == r.swa_available_size()
         assert n.available_size() == r.available_size()
+        used = (n.full_used_size(), n.swa_used_size())
+        assert used == (r.full_used_size(), r.swa_used_size())
+        # Every page is available or held by one kind (the shared mode's one list), or by its side.
+        pages = r.full_attn_allocator.num_pages * r.page_size
+        if self.shared:
+            assert sum(used) + n.available_size() == pages
+        else:
+            assert used[0] + n.full_available_size() == pages
+            assert used[1] + n.swa_available_size() == r.swa_attn_allocator.num_pages * r.page_size
         for pool_n, pool_r in ((n.full_attn_allocator, r.full_attn_allocator), (n.swa_attn_allocator, r.swa_attn_allocator)):
             assert pool_n.free_pages.tolist() == pool_r.free_pages
             assert pool_n.release_pages.tolist() == pool_r.release_pages

@@ -86,11 +86,13 @@ SWA_HD void unlock(int64_t* word) {
 // Counters of one pool. Each pool keeps two copies: an op that changes them reads one
 // and writes the other (element 0 writes), so no element reads a half-updated copy;
 // the host flips which copy is current.
-// The shared mode's two sides keep one list (one counter block): the SWA side's free
-// group queues count in their own words.
+// kHeldCount: the pages the pool holds (out of the free and staging lists, its open
+// group's queued pages included). The shared mode's two sides keep one list (one counter
+// block): the SWA side's queues and held pages count in their own words.
 enum CounterWord : int64_t {
-  kHead, kFreeCount, kStagedCount, kGroupIndexCount, kGroupPageCount, kSwaSideGroupIndexCount, kSwaSideGroupPageCount,
-  kCounterWords = 8
+  kHead, kFreeCount, kStagedCount, kGroupIndexCount, kGroupPageCount, kHeldCount,
+  kSwaSideGroupIndexCount, kSwaSideGroupPageCount, kSwaSideHeldCount,
+  kCounterWords = 10
 };
 
 // The error a call's ops met: what, in which call, which argument, entry, value and
@@ -182,7 +184,7 @@ struct PoolView {
   // The states this pool's pages take out of the free list, and the counters of its
   // free group queues: the shared mode's SWA side has its own (its list is the full side's).
   PageKind kind = PageKind::full();
-  CounterWord group_index_word = kGroupIndexCount, group_page_word = kGroupPageCount;
+  CounterWord group_index_word = kGroupIndexCount, group_page_word = kGroupPageCount, held_word = kHeldCount;
 
   // count_word(dest) of this pool.
   SWA_HD CounterWord counter_of(Destination dest) const {
@@ -219,11 +221,13 @@ struct PoolView {
   SWA_HD void copy_counters() const {
     for (int64_t w = 0; w < kCounterWords; ++w) counters_out[w] = counters_in[w];
   }
-  // Takes the first n pages of the free list (their states are set by the op).
-  SWA_HD void take_counters(int64_t n) const {
+  // Takes the first n pages of the free list (their states are set by the op), `own` of
+  // them held by this pool (the shared mode's other side holds the rest).
+  SWA_HD void take_counters(int64_t n, int64_t own) const {
     copy_counters();
     counters_out[kHead] = wrap(counters_in[kHead] + n);
     counters_out[kFreeCount] = counters_in[kFreeCount] - n;
+    counters_out[held_word] = counters_in[held_word] + own;
   }
 };
 
@@ -321,8 +325,9 @@ struct AllocSlotsOp {
     // device's (its refused pages were never released), and then nothing is handed out.
     const bool fits = full.can_take(full_taking) && (one_list || !check.hybrid || swa.can_take(need_swa));
     if (i == 0) {
-      full.take_counters(fits ? full_taking : 0);  // one_list: both sides' pages, from one counter block
-      if (check.hybrid && !one_list) swa.take_counters(fits ? need_swa : 0);
+      full.take_counters(fits ? full_taking : 0, fits ? need_full : 0);  // one_list: both sides' pages
+      if (one_list && fits) full.counters_out[swa.held_word] = full.counters_in[swa.held_word] + need_swa;
+      if (check.hybrid && !one_list) swa.take_counters(fits ? need_swa : 0, fits ? need_swa : 0);
       if (!fits) check.origin.fail_in_order(-1, kCountsOff, 0, full_taking, full.counters_in[kFreeCount]);
     }
     const int64_t j = find_request(batch.words, batch.size, i);
@@ -546,6 +551,9 @@ struct ReleaseOp {
             pool.counters_out[pool.counter_of(dest)] = c[pool.counter_of(dest)] + n;
             break;
         }
+        // Pages into a free group's queue stay the pool's until the group ends.
+        if (dest == Destination::kPrepend || dest == Destination::kAppend || dest == Destination::kStaged)
+          pool.counters_out[pool.held_word] = c[pool.held_word] - n;
         if (reset_word >= 0) pool.counters_out[reset_word] = 0;
       }
     }

@@ -184,7 +184,8 @@ DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, std::shared_ptr<D
     : control_(std::move(control)), list_(std::move(list)), size_(size), num_pages_(0), capacity_(size),
       page_(page_size), need_sort_(need_sort), kind_(kind),
       group_index_word_(kind.held == PageState::kHeldSwa ? dev::kSwaSideGroupIndexCount : dev::kGroupIndexCount),
-      group_page_word_(kind.held == PageState::kHeldSwa ? dev::kSwaSideGroupPageCount : dev::kGroupPageCount) {
+      group_page_word_(kind.held == PageState::kHeldSwa ? dev::kSwaSideGroupPageCount : dev::kGroupPageCount),
+      held_word_(kind.held == PageState::kHeldSwa ? dev::kSwaSideHeldCount : dev::kHeldCount) {
   check_pool_shape("size", size, page_size);
   num_pages_ = size / page_size;
   Executor& exec = control_->exec();
@@ -207,7 +208,8 @@ dev::PoolView DevicePool::view() {
   const int parity = list_->parity;
   return dev::PoolView{num_pages_, page_, list_->ring, list_->staged, group_index_, group_pages_, list_->state,
                        list_->ring_pos, counters + parity * dev::kCounterWords,
-                       counters + (1 - parity) * dev::kCounterWords, kind_, group_index_word_, group_page_word_};
+                       counters + (1 - parity) * dev::kCounterWords, kind_, group_index_word_, group_page_word_,
+                       held_word_};
 }
 
 int64_t DevicePool::free_pages() {
@@ -220,6 +222,11 @@ int64_t DevicePool::staged_pages() {
   return list_->staged_count;
 }
 
+int64_t DevicePool::held_pages() {
+  if (held_unknown_) control_->resolve_counts();  // the read-back that brings the free count
+  return held_count_;
+}
+
 void DevicePool::set_group_open(bool open) {
   group_open_ = open;
   if (open) group_has_index_frees_ = false;
@@ -227,9 +234,11 @@ void DevicePool::set_group_open(bool open) {
 
 void DevicePool::count_readback_finished(const int64_t* record) {
   DeviceList& list = *list_;
-  if (!list.base_unknown) return;  // (the shared mode's other side took it)
   const int64_t* counters =
       record + dev::kErrWords + 2 * dev::kCounterWords * list.slot + list.base_parity * dev::kCounterWords;
+  if (held_unknown_) held_count_ += counters[held_word_];
+  held_unknown_ = false;
+  if (!list.base_unknown) return;  // (the shared mode's other side took it)
   list.free_count += counters[dev::kFreeCount];
   list.staged_count += counters[dev::kStagedCount];
   list.base_unknown = false;
@@ -243,6 +252,8 @@ void DevicePool::reset_pool() {
   list_->free_count = num_pages_;
   list_->staged_count = 0;
   list_->base_unknown = false;
+  held_count_ = 0;
+  held_unknown_ = false;
   group_open_ = group_has_index_frees_ = false;
   group_index_count_ = group_page_count_ = 0;
   claim_count_ = 0;
@@ -375,9 +386,11 @@ void DevicePool::release(const int64_t* pages, int64_t n, const int64_t* device_
     case Destination::kPrepend:
     case Destination::kAppend:
       list_->free_count += n;
+      held_count_ -= n;
       break;
     case Destination::kStaged:
       list_->staged_count += n;
+      held_count_ -= n;
       break;
     case Destination::kGroupIndex:
       group_index_count_ += n;
@@ -482,6 +495,9 @@ void DevicePool::restore_pool(const PagePool& pool) {
   group_page_count_ = static_cast<int64_t>(by_page.size());
   exec.copy_to_device(counters + group_index_word_, &group_index_count_, 1);
   exec.copy_to_device(counters + group_page_word_, &group_page_count_, 1);
+  held_count_ = pool.held_count();
+  held_unknown_ = false;
+  exec.copy_to_device(counters + held_word_, &held_count_, 1);
   list.parity = 0;
   list.free_count = list_words[dev::kFreeCount];
   list.staged_count = list_words[dev::kStagedCount];

@@ -133,6 +133,7 @@ class DevicePool final : public PoolStore {
   bool need_sort() const override { return need_sort_; }
   int64_t free_pages() override;  // may wait for a pending read-back
   int64_t staged_pages() override;
+  int64_t held_pages() override;
   bool group_open() const override { return group_open_; }
   void set_group_open(bool open) override;
   void check_usable() override { control_->check_usable(); }
@@ -157,7 +158,10 @@ class DevicePool final : public PoolStore {
   dev::PoolView view();  // reads the current counter copy, writes the other
   void flip() { list_->parity ^= 1; }
   int64_t* claim_list() { return claims_; }
-  void took(int64_t n) { list_->free_count -= n; }
+  void took(int64_t n) {
+    list_->free_count -= n;
+    held_count_ += n;
+  }
   // Defers the launch of a claim of up to n pages (into list() in claim order when listed).
   template <class Op>
   void defer_claim(int64_t launch, int64_t n, const Op& op) {
@@ -172,6 +176,7 @@ class DevicePool final : public PoolStore {
   void restore_pool(const PagePool& state);
   void count_readback_started() {
     list_->base_parity = list_->parity, list_->base_unknown = true, list_->free_count = list_->staged_count = 0;
+    held_unknown_ = true, held_count_ = 0;
   }
   void count_readback_finished(const int64_t* ctl_copies);
 
@@ -188,7 +193,11 @@ class DevicePool final : public PoolStore {
   PageGeometry page_;
   bool need_sort_;
   PageKind kind_;
-  dev::CounterWord group_index_word_, group_page_word_;
+  dev::CounterWord group_index_word_, group_page_word_, held_word_;
+  // held_pages(), on the host; while held_unknown_, the change since the read-back that
+  // will supply the base (taken with the list's counts).
+  int64_t held_count_ = 0;
+  bool held_unknown_ = false;
   // device arrays of this side: the free group queues, the claims in claim order, scratch
   int64_t *group_index_, *group_pages_, *claims_, *selected_, *selected_count_;
   bool group_open_ = false, group_has_index_frees_ = false;

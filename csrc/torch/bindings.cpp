@@ -593,6 +593,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("available_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->available_size(); }); }, swa_docs::hybrid_available_size)
       .def("full_available_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->full_available_size(); }); }, swa_docs::hybrid_full_available_size)
       .def("swa_available_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->swa_available_size(); }); }, swa_docs::hybrid_swa_available_size)
+      .def("full_used_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->full_used_size(); }); }, swa_docs::hybrid_full_used_size)
+      .def("swa_used_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->swa_used_size(); }); }, swa_docs::hybrid_swa_used_size)
       .def("new_pages_available", [](HybridHandle& h, int64_t num_full_pages, int64_t num_swa_pages) {
              return reading(h, [&] { return h.alloc->new_pages_available(num_full_pages, num_swa_pages); });
            }, swa_docs::hybrid_new_pages_available, py::arg("num_full_pages"), py::arg("num_swa_pages"))

@@ -52,6 +52,8 @@ struct Pair {
   }
   void expect_same() {
     EXPECT_EQ(cpu.available_size(), dev.available_size());
+    EXPECT_EQ(cpu.full_used_size(), dev.full_used_size());
+    EXPECT_EQ(cpu.swa_used_size(), dev.swa_used_size());
     EXPECT_TRUE(cpu.backup_state() == dev.backup_state());
     dev.check_invariants();
   }
@@ -132,6 +134,8 @@ TEST(DeviceAllocator, AFreesCountIsReadBackOnceByTheNextCallThatNeedsIt) {
   EXPECT_EQ(p.dev.available_size(), 16 * 16);
   EXPECT_EQ(p.control().waits(), waits + 1);
   EXPECT_TRUE(p.dev.new_pages_available(32, 16));
+  // The used counts came back with the free counts: no other wait.
+  EXPECT_EQ(p.dev.full_used_size() + p.dev.swa_used_size(), 0);
   EXPECT_EQ(p.control().waits(), waits + 1);
 }
 
