@@ -19,9 +19,8 @@ constexpr StateWord state_word(PageState s) { return static_cast<StateWord>(s); 
 constexpr StateWord kHeld = state_word(PageState::kHeld);
 constexpr StateWord kFree = state_word(PageState::kFree);
 constexpr StateWord kStaged = state_word(PageState::kStaged);
-constexpr StateWord kQueuedByIndex = state_word(PageState::kQueuedByIndex);
 constexpr StateWord kQueuedByPage = state_word(PageState::kQueuedByPage);
-constexpr StateWord kClaimed = state_word(PageState::kClaimed);
+// A pool's claimed and queued-by-index states are its kind's (PoolView::kind).
 
 // Words that several elements of one launch may touch at once. On a GPU, its atomics
 // (and volatile loads, which no cache keeps stale); on the host, the compiler's atomic
