@@ -89,7 +89,8 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     and ``kvcache`` are recorded for the caller; a ``kvcache`` with ``register_mapping`` is handed
     ``full_to_swa_index_mapping``; the pool views get its ``full_kv_pool`` and
     ``swa_kv_pool`` (None where it has none), as SGLang's do. ``need_sort`` stages freed
-    pages and merges them sorted when an allocation needs them. A ``size`` or ``size_swa``
+    pages and merges them sorted when an allocation needs them. ``full_used_size()`` and
+    ``swa_used_size()`` count the tokens in the pages each kind holds. A ``size`` or ``size_swa``
     whose tables do not fit in memory raises MemoryError naming it; nothing is built.
 
     With ``device="cuda"`` the free lists, the mapping and every returned tensor live on

@@ -190,6 +190,12 @@ class _PoolRef:
     def available_size(self) -> int:
         return (len(self.free_pages) + len(self.release_pages)) * self.page_size
 
+    def used_size(self) -> int:
+        """Tokens in the pages this pool holds: neither free nor staged; pages its open free
+        group queues count until the group ends (SPEC.md section 8)."""
+        own = (self._held, self._queued_tokens)
+        return (sum(s in own for s in self._state[1:]) + len(self._group_pages)) * self.page_size
+
     def merge_and_sort_free(self) -> None:
         if self.release_pages:
             for page in self.release_pages:
@@ -587,6 +593,12 @@ class SWAAllocatorRef:
 
     def swa_available_size(self) -> int:
         return self.swa_attn_allocator.available_size()
+
+    def full_used_size(self) -> int:
+        return self.full_attn_allocator.used_size()
+
+    def swa_used_size(self) -> int:
+        return self.swa_attn_allocator.used_size()
 
     def new_pages_available(self, num_full_pages, num_swa_pages) -> bool:
         ps = self.page_size

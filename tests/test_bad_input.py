@@ -465,13 +465,35 @@ def test_bad_constructor_arguments():
         swa_ext.SWATokenToKVPoolAllocator(64, 32, 4, torch.bfloat16, "cpu", shared=True)
 
 
-@pytest.mark.parametrize("device,kernels", [("cpu", "emulated"), ("cuda", "auto")])
-def test_shared_mode_on_a_device_store_is_refused(device, kernels):
-    # The device store has no shared mode yet: one line naming `shared`, nothing built.
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("device,kernels", [("cpu", "emulated"), ("cuda", "cuda")])
+def test_shared_mode_on_a_device_store_matches_the_cpu_store(device, kernels, page_size, monkeypatch):
+    # The device store serves the shared mode (SPEC.md section 8): the same slots, sizes,
+    # mapping and refusals as the CPU store, and a full free of an SWA page refused by name
+    # (at once in debug mode; else in the next call, tests/test_misuse.py).
     if device == "cuda" and cuda_skip_reason():
         pytest.skip(cuda_skip_reason())
-    with pytest.raises(ValueError, match="^shared: the shared mode runs on kernels='cpu' only"):
-        swa_ext.SWATokenToKVPoolAllocator(64, 64, 4, torch.bfloat16, device, kernels=kernels, shared=True)
+    monkeypatch.setenv("SWA_EXT_DEBUG", "1")
+    ps = page_size
+    stores = [swa_ext.SWATokenToKVPoolAllocator(16 * ps, 16 * ps, ps, torch.bfloat16, dev, kernels=k, shared=True)
+              for dev, k in (("cpu", "cpu"), (device, kernels))]
+    seen = []
+    for a in stores:
+        on = a.full_to_swa_index_mapping.device
+        tail = a.alloc_extend_swa_tail(T([0]).to(on), T([0]).to(on), T([6 * ps]).to(on), T([6 * ps]).to(on),
+                                       T([-1]).to(on), 6 * ps, 2 * ps)
+        swa = a.translate_loc_from_full_to_swa(tail)
+        first = a.alloc(5 * ps)  # 5 full and 5 SWA pages: more than the 8 pages left
+        second = a.alloc(3 * ps)
+        a.free_swa(tail[-ps:])
+        with pytest.raises(ValueError, match="^indices: page .* holds SWA KV, not full KV"):
+            a.free(swa[-ps - 1:-ps])  # the tail's first SWA page, still held
+        steps = (tail, swa, second, a.full_to_swa_index_mapping)
+        seen.append(([t.tolist() for t in steps], first, a.available_size(), a.full_available_size(),
+                     a.swa_available_size(), a.new_pages_available(1, 1)))
+        a.check_invariants()
+    assert seen[0] == seen[1]
+    assert seen[0][1] is None and seen[0][2] == 3 * ps
 
 
 def test_restore_state_from_another_shape(world):
@@ -573,9 +595,7 @@ def _allocator(kind, page_size, kernels, dev):
     return swa_ext.PagedTokenToKVPoolAllocator(256, page_size, torch.bfloat16, dev, kernels=kernels)
 
 
-# The shared mode runs on the CPU store (test_shared_mode_on_a_device_store_is_refused).
-KINDS_AND_KERNELS = [(kind, kernels) for kernels in ("cpu", "emulated", "cuda") for kind in ("hybrid", "shared", "pool")
-                     if kind != "shared" or kernels == "cpu"]
+KINDS_AND_KERNELS = [(kind, kernels) for kernels in ("cpu", "emulated", "cuda") for kind in ("hybrid", "shared", "pool")]
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 4, 16])
@@ -609,7 +629,7 @@ def test_hostile_values_are_refused_by_name_and_change_nothing(kind, page_size, 
 
 @pytest.mark.parametrize("page_size", [1, 3, 4, 16])
 @pytest.mark.parametrize("kernels", ["emulated", "cuda"])
-@pytest.mark.parametrize("kind", ["hybrid", "pool"])
+@pytest.mark.parametrize("kind", ["hybrid", "shared", "pool"])
 def test_hostile_values_on_a_device_store_checking_in_its_ops(kind, page_size, kernels, monkeypatch):
     # Without SWA_EXT_DEBUG a device store finds a bad index value in its ops (the CUDA
     # kernels' own code, emulated here) and raises DeferredError at the next call. Those

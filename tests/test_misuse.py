@@ -650,9 +650,8 @@ def _same(a, b):
 
 KINDS = [("hybrid", 1), ("hybrid", 16), ("hybrid", 64), ("paged", 1), ("paged", 16), ("paged", 64), ("token", 1),
          ("full_view", 1), ("swa_view", 16)]
-# The shared mode runs on the CPU store (tests/test_bad_input.py: a device store refuses it).
-WALKS = [(kind, ps, kernels) for kernels in ("cpu", "emulated", "cuda") for kind, ps in KINDS] + [
-    ("shared", ps, "cpu") for ps in (1, 4, 16)]
+WALKS = [(kind, ps, kernels) for kernels in ("cpu", "emulated", "cuda")
+         for kind, ps in KINDS + [("shared", 1), ("shared", 4), ("shared", 16)]]
 
 
 @pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])

@@ -175,6 +175,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert n.full_available_size() == r.full_available_size()
         assert n.swa_available_size() == r.swa_available_size()
         assert n.available_size() == r.available_size()
+        used = (n.full_used_size(), n.swa_used_size())
+        assert used == (r.full_used_size(), r.swa_used_size())
+        # Every page is available or held by one kind (the shared mode's one list), or by its side.
+        pages = r.full_attn_allocator.num_pages * r.page_size
+        if self.shared:
+            assert sum(used) + n.available_size() == pages
+        else:
+            assert used[0] + n.full_available_size() == pages
+            assert used[1] + n.swa_available_size() == r.swa_attn_allocator.num_pages * r.page_size
         for pool_n, pool_r in ((n.full_attn_allocator, r.full_attn_allocator), (n.swa_attn_allocator, r.swa_attn_allocator)):
             assert pool_n.free_pages.tolist() == pool_r.free_pages
             assert pool_n.release_pages.tolist() == pool_r.release_pages
@@ -571,8 +580,10 @@ def test_native_matches_reference(page_size, need_sort, shared, request):
     _run(_machine(page_size, need_sort, shared=shared), request.config.getoption("--slow"), CI_EXAMPLES)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["default", "shared"])
 @pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_device_algorithm_matches_reference(page_size, need_sort, request):
-    """The CUDA path's ops, run element by element on the CPU, against the reference."""
-    _run(_machine(page_size, need_sort, "emulated"), request.config.getoption("--slow"), CI_EXAMPLES_EMULATED)
+def test_device_algorithm_matches_reference(page_size, need_sort, shared, request):
+    """The CUDA path's ops, run element by element on the CPU, against the reference
+    (which the CPU store matches call by call in test_native_matches_reference)."""
+    _run(_machine(page_size, need_sort, "emulated", shared), request.config.getoption("--slow"), CI_EXAMPLES_EMULATED)

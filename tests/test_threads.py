@@ -34,10 +34,10 @@ def T(values):
     return torch.tensor(values, dtype=torch.int64)
 
 
-def make(page_size=4, need_sort=False, shared=False):
+def make(page_size=4, need_sort=False, shared=False, kernels="cpu"):
     """shared: the shared mode (SPEC.md section 8), one list of 256 pages."""
     return swa_ext.SWATokenToKVPoolAllocator(256 * page_size, (256 if shared else 128) * page_size, page_size,
-                                             torch.bfloat16, "cpu", need_sort=need_sort, shared=shared)
+                                             torch.bfloat16, "cpu", need_sort=need_sort, shared=shared, kernels=kernels)
 
 
 def reentrant_argument(inner_call):
@@ -115,13 +115,14 @@ def test_separate_allocators_do_not_share_a_guard():
     b.check_invariants()
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["default", "shared"])
+@pytest.mark.parametrize("shared,kernels", [(False, "cpu"), (True, "cpu"), (True, "emulated")],
+                         ids=["default", "shared", "shared-emulated"])
 @pytest.mark.parametrize("page_size,need_sort", [(1, False), (4, True), (16, False)])
-def test_python_threads_sharing_an_allocator_stay_consistent(page_size, need_sort, shared):
+def test_python_threads_sharing_an_allocator_stay_consistent(page_size, need_sort, shared, kernels):
     """Threads serialised by the GIL: many small lifecycles at once never see a
     ConcurrentUseError, never get a slot twice, and leave the pools whole. In the shared
     mode a slot is one index space for both kinds: no SWA slot is a live full slot either."""
-    a = make(page_size, need_sort, shared)
+    a = make(page_size, need_sort, shared, kernels)
     ps = page_size
     threads_n, rounds = 8, 300
     errors = []

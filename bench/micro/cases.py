@@ -88,8 +88,7 @@ class _Case:
         size = -(-B * POOL_TOKENS_PER_REQUEST // ps) * ps
         self.native = swa_ext.SWATokenToKVPoolAllocator(size, size, ps, torch.bfloat16, dev)
         self.allocs = {"native": self.native, "baseline": BaselineSWAAllocator(size, size, ps, torch.bfloat16, dev)}
-        if device == "cpu":  # the device store has no shared mode yet
-            self.allocs["shared"] = swa_ext.SWATokenToKVPoolAllocator(size, size, ps, torch.bfloat16, dev, shared=True)
+        self.allocs["shared"] = swa_ext.SWATokenToKVPoolAllocator(size, size, ps, torch.bfloat16, dev, shared=True)
         if with_sglang:
             self.allocs["sglang"] = sglang_ref.make_allocator(size, size, ps, device)
 

@@ -65,6 +65,10 @@ class HybridAllocator {
   int64_t available_size();
   int64_t full_available_size() { return full().available_pages() * page_.size; }
   int64_t swa_available_size() { return swa().available_pages() * page_.size; }
+  // Tokens in the pages each kind holds (PoolStore::held_pages); in the shared mode
+  // full_used_size() + swa_used_size() + available_size() covers the one list.
+  int64_t full_used_size() { return full().held_pages() * page_.size; }
+  int64_t swa_used_size() { return swa().held_pages() * page_.size; }
   bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages);
 
   bool alloc(int64_t need_size, OutBuffer& out);

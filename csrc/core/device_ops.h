@@ -19,9 +19,8 @@ constexpr StateWord state_word(PageState s) { return static_cast<StateWord>(s); 
 constexpr StateWord kHeld = state_word(PageState::kHeld);
 constexpr StateWord kFree = state_word(PageState::kFree);
 constexpr StateWord kStaged = state_word(PageState::kStaged);
-constexpr StateWord kQueuedByIndex = state_word(PageState::kQueuedByIndex);
 constexpr StateWord kQueuedByPage = state_word(PageState::kQueuedByPage);
-constexpr StateWord kClaimed = state_word(PageState::kClaimed);
+// A pool's claimed and queued-by-index states are its kind's (PoolView::kind).
 
 // Words that several elements of one launch may touch at once. On a GPU, its atomics
 // (and volatile loads, which no cache keeps stale); on the host, the compiler's atomic
@@ -86,7 +85,14 @@ SWA_HD void unlock(int64_t* word) {
 // Counters of one pool. Each pool keeps two copies: an op that changes them reads one
 // and writes the other (element 0 writes), so no element reads a half-updated copy;
 // the host flips which copy is current.
-enum CounterWord : int64_t { kHead, kFreeCount, kStagedCount, kGroupIndexCount, kGroupPageCount, kCounterWords = 8 };
+// kHeldCount: the pages the pool holds (out of the free and staging lists, its open
+// group's queued pages included). The shared mode's two sides keep one list (one counter
+// block): the SWA side's queues and held pages count in their own words.
+enum CounterWord : int64_t {
+  kHead, kFreeCount, kStagedCount, kGroupIndexCount, kGroupPageCount, kHeldCount,
+  kSwaSideGroupIndexCount, kSwaSideGroupPageCount, kSwaSideHeldCount,
+  kCounterWords = 10
+};
 
 // The error a call's ops met: what, in which call, which argument, entry, value and
 // what else the host needs to word it as the CPU core does. Of several errors, the
@@ -147,6 +153,20 @@ struct Origin {
   }
 };
 
+// The counter of the list a destination appends to.
+SWA_HD CounterWord count_word(Destination dest) {
+  switch (dest) {
+    case Destination::kStaged:
+      return kStagedCount;
+    case Destination::kGroupIndex:
+      return kGroupIndexCount;
+    case Destination::kGroupPages:
+      return kGroupPageCount;
+    default:
+      return kFreeCount;
+  }
+}
+
 // One pool's device arrays, seen from an op with the counter copy it reads (counters_in)
 // and the one it writes (counters_out).
 struct PoolView {
@@ -160,6 +180,17 @@ struct PoolView {
   int64_t* ring_pos;     // [num_pages + 1]: where in the ring each page was last written
   const int64_t* counters_in;
   int64_t* counters_out;
+  // The states this pool's pages take out of the free list, and the counters of its
+  // free group queues: the shared mode's SWA side has its own (its list is the full side's).
+  PageKind kind = PageKind::full();
+  CounterWord group_index_word = kGroupIndexCount, group_page_word = kGroupPageCount, held_word = kHeldCount;
+
+  // count_word(dest) of this pool.
+  SWA_HD CounterWord counter_of(Destination dest) const {
+    const CounterWord word = count_word(dest);
+    return word == kGroupIndexCount ? group_index_word : word == kGroupPageCount ? group_page_word : word;
+  }
+  SWA_HD StateWord held() const { return static_cast<StateWord>(kind.held); }
 
   // Folds one period: the ops form positions within (-num_pages, 2 * num_pages) only,
   // having checked their counts first (can_take, has_room).
@@ -189,11 +220,13 @@ struct PoolView {
   SWA_HD void copy_counters() const {
     for (int64_t w = 0; w < kCounterWords; ++w) counters_out[w] = counters_in[w];
   }
-  // Takes the first n pages of the free list (their states are set by the op).
-  SWA_HD void take_counters(int64_t n) const {
+  // Takes the first n pages of the free list (their states are set by the op), `own` of
+  // them held by this pool (the shared mode's other side holds the rest).
+  SWA_HD void take_counters(int64_t n, int64_t own) const {
     copy_counters();
     counters_out[kHead] = wrap(counters_in[kHead] + n);
     counters_out[kFreeCount] = counters_in[kFreeCount] - n;
+    counters_out[held_word] = counters_in[held_word] + own;
   }
 };
 
@@ -237,7 +270,11 @@ struct LastLocCheck {
                  int64_t swa_taking = 0) const {
     const int64_t prefix = batch.prefix(j);
     const int64_t last = last_loc != nullptr ? last_loc[j] : -1;
-    const auto full_state = [this, full_taking](int64_t p) { return full.state_before(p, full_taking); };
+    // The rules read a held page as kHeld, whichever kind the pool holds.
+    const auto full_state = [this, full_taking](int64_t p) {
+      const PageState s = full.state_before(p, full_taking);
+      return s == full.kind.held ? PageState::kHeld : s;
+    };
     const LastLocFault fault = last_loc_fault(last, prefix, full.page, full.num_pages, full_state);
     if (fault != LastLocFault::kNone) {
       if (report_fault) origin.fail(kLastLocFault, j, last, prefix, static_cast<int64_t>(fault));
@@ -246,7 +283,7 @@ struct LastLocCheck {
     if (!hybrid || !swa_continuation || !continues_partial_page(prefix, batch.seq(j), full.page)) return true;
     const auto swa_state = [this, swa_taking](int64_t p) { return swa.state_before(p, swa_taking); };
     const int64_t swa_last = mapping[last];
-    if (swa_continuation_ok(last, swa_last, swa.page, swa.num_pages, swa_state, PageState::kHeld)) return true;
+    if (swa_continuation_ok(last, swa_last, swa.page, swa.num_pages, swa_state, swa.kind.held)) return true;
     if (report_fault) origin.fail(kSwaContinuation, j, last, swa_last);
     return false;
   }
@@ -271,21 +308,30 @@ struct AllocSlotsOp {
   int64_t swa_head_len;
   int64_t* mapping;
   int64_t* out;
+  // The shared mode: check.full and check.swa are two sides of one list, which hands out
+  // the full pages first, then the SWA pages.
+  bool one_list = false;
 
   SWA_HD void operator()(int64_t i) const {
     const PoolView& full = check.full;
     const PoolView& swa = check.swa;
+    // The pages each free list hands out (their states are read as before the launch),
+    // and where the SWA pages start in the SWA side's list.
+    const int64_t full_taking = one_list ? need_full + need_swa : need_full;
+    const int64_t swa_taking = !check.hybrid ? 0 : one_list ? full_taking : need_swa;
+    const int64_t swa_skip = one_list ? need_full : 0;
     // The host plans from its counts; after a call the ops refused they can exceed the
     // device's (its refused pages were never released), and then nothing is handed out.
-    const bool fits = full.can_take(need_full) && (!check.hybrid || swa.can_take(need_swa));
+    const bool fits = full.can_take(full_taking) && (one_list || !check.hybrid || swa.can_take(need_swa));
     if (i == 0) {
-      full.take_counters(fits ? need_full : 0);
-      if (check.hybrid) swa.take_counters(fits ? need_swa : 0);
-      if (!fits) check.origin.fail_in_order(-1, kCountsOff, 0, need_full, full.counters_in[kFreeCount]);
+      full.take_counters(fits ? full_taking : 0, fits ? need_full : 0);  // one_list: both sides' pages
+      if (one_list && fits) full.counters_out[swa.held_word] = full.counters_in[swa.held_word] + need_swa;
+      if (check.hybrid && !one_list) swa.take_counters(fits ? need_swa : 0, fits ? need_swa : 0);
+      if (!fits) check.origin.fail_in_order(-1, kCountsOff, 0, full_taking, full.counters_in[kFreeCount]);
     }
     const int64_t j = find_request(batch.words, batch.size, i);
     const int64_t t = i - batch.token_begin(j), prefix = batch.prefix(j), seq = batch.seq(j);
-    if (!fits || !check.ok(batch, j, t == 0, need_full, check.hybrid ? need_swa : 0)) {
+    if (!fits || !check.ok(batch, j, t == 0, full_taking, swa_taking)) {
       out[i] = 0;
       return;
     }
@@ -295,19 +341,19 @@ struct AllocSlotsOp {
     const int64_t full_slot = extend_slot(t, prefix, seq, last, full.page, full_page_at);
     out[i] = full_slot;
     // A new page's first token is the only slot at offset 0 (a continued page never is).
-    if (full.page.offset(full_slot) == 0) full.state[full.page.page(full_slot)] = kHeld;
+    if (full.page.offset(full_slot) == 0) full.state[full.page.page(full_slot)] = full.held();
     if (!check.hybrid) return;
     int64_t swa_slot = 0;
     if (swa_head_len < 0) {
       const int64_t swa_last = last < 0 ? -1 : mapping[last];
-      const auto swa_page_at = [&](int64_t k) { return swa.page_at(first_page + k); };
+      const auto swa_page_at = [&](int64_t k) { return swa.page_at(swa_skip + first_page + k); };
       swa_slot = extend_slot(t, prefix, seq, swa_last, swa.page, swa_page_at);
     } else if (t >= swa_head_len) {
-      const auto swa_page_at = [&](int64_t k) { return swa.page_at(k); };
+      const auto swa_page_at = [&](int64_t k) { return swa.page_at(swa_skip + k); };
       swa_slot = extend_slot(t - swa_head_len, 0, seq - prefix - swa_head_len, -1, swa.page, swa_page_at);
     }
     mapping[full_slot] = swa_slot;
-    if (swa_slot > 0 && swa.page.offset(swa_slot) == 0) swa.state[swa.page.page(swa_slot)] = kHeld;
+    if (swa_slot > 0 && swa.page.offset(swa_slot) == 0) swa.state[swa.page.page(swa_slot)] = swa.held();
   }
 };
 
@@ -322,9 +368,11 @@ enum class ClaimSource : int32_t {
 // order: the refusal's rank in the error record (Origin).
 SWA_HD bool claim_page(const PoolView& pool, int64_t p, bool repeat_ok, const Origin& origin, int64_t entry,
                        int64_t order) {
-  const StateWord old = compare_and_swap(&pool.state[p], kHeld, kClaimed);
-  if (old == kHeld || repeats_a_claim(static_cast<PageState>(old), repeat_ok, PageKind::full())) return old == kHeld;
-  origin.fail_in_order(order, kClaimRefused, entry, p, old);
+  const StateWord held = pool.held();
+  const StateWord old = compare_and_swap(&pool.state[p], held, static_cast<StateWord>(pool.kind.claimed));
+  if (old == held || repeats_a_claim(static_cast<PageState>(old), repeat_ok, pool.kind)) return old == held;
+  // kind: which side refused (1: the shared mode's SWA side), for the message.
+  origin.fail_in_order(order, kClaimRefused, entry, p, old, pool.kind.held == PageState::kHeldSwa ? 1 : 0);
   return false;
 }
 
@@ -463,20 +511,6 @@ struct ReplaceStateOp {
   }
 };
 
-// The counter of the list a destination appends to.
-SWA_HD CounterWord count_word(Destination dest) {
-  switch (dest) {
-    case Destination::kStaged:
-      return kStagedCount;
-    case Destination::kGroupIndex:
-      return kGroupIndexCount;
-    case Destination::kGroupPages:
-      return kGroupPageCount;
-    default:
-      return kFreeCount;
-  }
-}
-
 // Puts n pages (n from the host, or from device memory) where they go, in list order,
 // and updates the counters. reset_word, when >= 0, is a group counter emptied here.
 // Nothing moves once the error record holds an error: then a claim of this call (or of
@@ -499,10 +533,10 @@ struct ReleaseOp {
     // Element 0 reports only when every element finds n unplaceable, so an element that
     // reads that report refuses as it would have anyway.
     const bool refused = error_code(origin.error) != kNoError;
-    const bool placeable = n <= max_count && pool.has_room(count_word(dest), n);
+    const bool placeable = n <= max_count && pool.has_room(pool.counter_of(dest), n);
     if (i == 0) {
       pool.copy_counters();
-      if (!refused && !placeable) origin.fail_in_order(-1, kCountsOff, 0, n, pool.num_pages - c[count_word(dest)]);
+      if (!refused && !placeable) origin.fail_in_order(-1, kCountsOff, 0, n, pool.num_pages - c[pool.counter_of(dest)]);
       if (!refused && placeable) {
         switch (dest) {
           case Destination::kPrepend:
@@ -513,9 +547,12 @@ struct ReleaseOp {
             pool.counters_out[kFreeCount] = c[kFreeCount] + n;
             break;
           default:
-            pool.counters_out[count_word(dest)] = c[count_word(dest)] + n;
+            pool.counters_out[pool.counter_of(dest)] = c[pool.counter_of(dest)] + n;
             break;
         }
+        // Pages into a free group's queue stay the pool's until the group ends.
+        if (dest == Destination::kPrepend || dest == Destination::kAppend || dest == Destination::kStaged)
+          pool.counters_out[pool.held_word] = c[pool.held_word] - n;
         if (reset_word >= 0) pool.counters_out[reset_word] = 0;
       }
     }
@@ -537,11 +574,11 @@ struct ReleaseOp {
         pool.state[p] = kStaged;
         break;
       case Destination::kGroupIndex:
-        pool.group_index[c[kGroupIndexCount] + i] = p;
-        pool.state[p] = kQueuedByIndex;
+        pool.group_index[c[pool.group_index_word] + i] = p;
+        pool.state[p] = static_cast<StateWord>(pool.kind.queued_by_index);
         break;
       case Destination::kGroupPages:
-        pool.group_pages[c[kGroupPageCount] + i] = p;
+        pool.group_pages[c[pool.group_page_word] + i] = p;
         pool.state[p] = kQueuedByPage;
         break;
     }

@@ -151,7 +151,8 @@ std::string DeviceControl::describe(const int64_t* r) const {
           m << "entry " << entry << ": page id " << value << " is outside the pool (page 0 is the padding page)";
           break;
         case dev::kClaimRefused:
-          m << "page " << value << claim_refusal(static_cast<PageState>(detail), PageKind::full());
+          m << "page " << value
+            << claim_refusal(static_cast<PageState>(detail), r[dev::kErrKind] == 1 ? PageKind::swa() : PageKind::full());
           break;
         case dev::kUnmapped:
           m << "full slot " << value << kUnmappedRefusal;
@@ -168,38 +169,62 @@ std::string DeviceControl::describe(const int64_t* r) const {
 
 DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t size, int64_t page_size,
                        bool need_sort)
-    : control_(std::move(control)), slot_(slot), size_(size), num_pages_(0), capacity_(size), page_(page_size),
-      need_sort_(need_sort) {
-  check_pool_shape("size", size, page_size);
-  num_pages_ = size / page_size;
+    : DevicePool(control, std::make_shared<DeviceList>(), size, page_size, need_sort, PageKind::full()) {
   Executor& exec = control_->exec();
-  ring_ = exec.allocate(num_pages_);
-  staged_ = exec.allocate(num_pages_);
-  group_index_ = exec.allocate(num_pages_);
-  group_pages_ = exec.allocate(num_pages_);
-  list_ = exec.allocate(num_pages_);
-  ring_pos_ = exec.allocate(num_pages_ + 1);
-  selected_ = exec.allocate(num_pages_);
-  selected_count_ = exec.allocate(1);
-  state_ = reinterpret_cast<dev::StateWord*>(exec.allocate((num_pages_ + 2) / 2));
-  control_->attach(this);
+  list_->slot = slot;
+  list_->ring = exec.allocate(num_pages_);
+  list_->staged = exec.allocate(num_pages_);
+  list_->ring_pos = exec.allocate(num_pages_ + 1);
+  list_->state = reinterpret_cast<dev::StateWord*>(exec.allocate((num_pages_ + 2) / 2));
   reset_pool();
 }
 
+DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, std::shared_ptr<DeviceList> list, int64_t size,
+                       int64_t page_size, bool need_sort, const PageKind& kind)
+    : control_(std::move(control)), list_(std::move(list)), size_(size), num_pages_(0), capacity_(size),
+      page_(page_size), need_sort_(need_sort), kind_(kind),
+      group_index_word_(kind.held == PageState::kHeldSwa ? dev::kSwaSideGroupIndexCount : dev::kGroupIndexCount),
+      group_page_word_(kind.held == PageState::kHeldSwa ? dev::kSwaSideGroupPageCount : dev::kGroupPageCount),
+      held_word_(kind.held == PageState::kHeldSwa ? dev::kSwaSideHeldCount : dev::kHeldCount) {
+  check_pool_shape("size", size, page_size);
+  num_pages_ = size / page_size;
+  Executor& exec = control_->exec();
+  group_index_ = exec.allocate(num_pages_);
+  group_pages_ = exec.allocate(num_pages_);
+  claims_ = exec.allocate(num_pages_);
+  selected_ = exec.allocate(num_pages_);
+  selected_count_ = exec.allocate(1);
+  control_->attach(this);
+}
+
+std::shared_ptr<DevicePool> DevicePool::swa_side_of(DevicePool& full_side) {
+  // The list is full_side's, already reset; the side's own queues start empty.
+  return std::shared_ptr<DevicePool>(new DevicePool(full_side.control_, full_side.list_, full_side.size_,
+                                                    full_side.page_.size, full_side.need_sort_, PageKind::swa()));
+}
+
 dev::PoolView DevicePool::view() {
-  int64_t* counters = control_->counters(slot_);
-  return dev::PoolView{num_pages_, page_, ring_, staged_, group_index_, group_pages_, state_, ring_pos_,
-                       counters + parity_ * dev::kCounterWords, counters + (1 - parity_) * dev::kCounterWords};
+  int64_t* counters = control_->counters(list_->slot);
+  const int parity = list_->parity;
+  return dev::PoolView{num_pages_, page_, list_->ring, list_->staged, group_index_, group_pages_, list_->state,
+                       list_->ring_pos, counters + parity * dev::kCounterWords,
+                       counters + (1 - parity) * dev::kCounterWords, kind_, group_index_word_, group_page_word_,
+                       held_word_};
 }
 
 int64_t DevicePool::free_pages() {
-  if (base_unknown_) control_->resolve_counts();
-  return free_count_;
+  if (list_->base_unknown) control_->resolve_counts();
+  return list_->free_count;
 }
 
 int64_t DevicePool::staged_pages() {
-  if (base_unknown_) control_->resolve_counts();
-  return staged_count_;
+  if (list_->base_unknown) control_->resolve_counts();
+  return list_->staged_count;
+}
+
+int64_t DevicePool::held_pages() {
+  if (held_unknown_) control_->resolve_counts();  // the read-back that brings the free count
+  return held_count_;
 }
 
 void DevicePool::set_group_open(bool open) {
@@ -208,19 +233,27 @@ void DevicePool::set_group_open(bool open) {
 }
 
 void DevicePool::count_readback_finished(const int64_t* record) {
-  if (!base_unknown_) return;
-  const int64_t* counters = record + dev::kErrWords + 2 * dev::kCounterWords * slot_ + base_parity_ * dev::kCounterWords;
-  free_count_ += counters[dev::kFreeCount];
-  staged_count_ += counters[dev::kStagedCount];
-  base_unknown_ = false;
+  DeviceList& list = *list_;
+  const int64_t* counters =
+      record + dev::kErrWords + 2 * dev::kCounterWords * list.slot + list.base_parity * dev::kCounterWords;
+  if (held_unknown_) held_count_ += counters[held_word_];
+  held_unknown_ = false;
+  if (!list.base_unknown) return;  // (the shared mode's other side took it)
+  list.free_count += counters[dev::kFreeCount];
+  list.staged_count += counters[dev::kStagedCount];
+  list.base_unknown = false;
 }
 
 void DevicePool::reset_pool() {
-  control_->exec().run(num_pages_ + 1, dev::ResetPoolOp{view(), control_->counters(slot_)});
-  parity_ = 0;
-  free_count_ = num_pages_;
-  staged_count_ = 0;
-  base_unknown_ = false;
+  // (In the shared mode both sides are reset together: the counter block, both sides'
+  // queue counts included, is zeroed.)
+  control_->exec().run(num_pages_ + 1, dev::ResetPoolOp{view(), control_->counters(list_->slot)});
+  list_->parity = 0;
+  list_->free_count = num_pages_;
+  list_->staged_count = 0;
+  list_->base_unknown = false;
+  held_count_ = 0;
+  held_unknown_ = false;
   group_open_ = group_has_index_frees_ = false;
   group_index_count_ = group_page_count_ = 0;
   claim_count_ = 0;
@@ -239,11 +272,11 @@ void DevicePool::resize(int64_t size) {
 
 void DevicePool::merge() {
   Executor& exec = control_->exec();
-  exec.select_pages(state_, num_pages_, dev::kFree, dev::kStaged, selected_, selected_count_);
+  exec.select_pages(list_->state, num_pages_, dev::kFree, dev::kStaged, selected_, selected_count_);
   exec.run(num_pages_, dev::RebuildFreeListOp{view(), selected_, selected_count_});
   flip();
-  free_count_ += staged_count_;
-  staged_count_ = 0;
+  list_->free_count += list_->staged_count;
+  list_->staged_count = 0;
 }
 
 namespace {
@@ -306,26 +339,26 @@ void DevicePool::claim_slots(Span indices, Call call) {
   // A page pool releases free()'s pages in page order, from a scan of the states; the
   // token pool in the order given.
   defer_claim(n, n, dev::ClaimOp{view(), indices.data, dev::ClaimSource::kSlot, !token_mode(),
-                                token_mode() ? list_ : nullptr, control_->origin(call, kArgIndices)});
+                                token_mode() ? claims_ : nullptr, control_->origin(call, kArgIndices)});
 }
 
 void DevicePool::claim_segment(Span indices, Call call) {
   const int64_t pages = page_.pages_for(indices.size);
   check_page_count("indices", pages);
   if (pages == 0) return;
-  defer_claim(pages, pages, dev::ClaimOp{view(), indices.data, dev::ClaimSource::kSegmentRepresentative, false, list_,
+  defer_claim(pages, pages, dev::ClaimOp{view(), indices.data, dev::ClaimSource::kSegmentRepresentative, false, claims_,
                                        control_->origin(call, kArgIndices)});
 }
 
 void DevicePool::claim_page_ids(Span pages, Call call) {
   check_page_count("page_ids", pages.size);
   if (pages.size == 0) return;
-  defer_claim(pages.size, pages.size, dev::ClaimOp{view(), pages.data, dev::ClaimSource::kPageId, false, list_,
+  defer_claim(pages.size, pages.size, dev::ClaimOp{view(), pages.data, dev::ClaimSource::kPageId, false, claims_,
                                                    control_->origin(call, kArgPageIds)});
 }
 
 void DevicePool::unclaim_all() {
-  control_->exec().run(num_pages_, dev::ReplaceStateOp{state_, dev::kClaimed, dev::kHeld});
+  control_->exec().run(num_pages_, dev::ReplaceStateOp{list_->state, word(kind_.claimed), word(kind_.held)});
   claim_count_ = 0;
 }
 
@@ -341,8 +374,8 @@ void DevicePool::release(const int64_t* pages, int64_t n, const int64_t* device_
   control_->exec().run(elements, dev::ReleaseOp{view(), pages, n, device_count, elements, dest, reset_word,
                                                 control_->release_origin()});
   flip();
-  if (reset_word == dev::kGroupIndexCount) group_index_count_ = 0;
-  if (reset_word == dev::kGroupPageCount) group_page_count_ = 0;
+  if (reset_word == group_index_word_) group_index_count_ = 0;
+  if (reset_word == group_page_word_) group_page_count_ = 0;
   const bool counted = dest == Destination::kPrepend || dest == Destination::kAppend ||
                        dest == Destination::kStaged;
   if (device_count != nullptr) {
@@ -352,10 +385,12 @@ void DevicePool::release(const int64_t* pages, int64_t n, const int64_t* device_
   switch (dest) {
     case Destination::kPrepend:
     case Destination::kAppend:
-      free_count_ += n;
+      list_->free_count += n;
+      held_count_ -= n;
       break;
     case Destination::kStaged:
-      staged_count_ += n;
+      list_->staged_count += n;
+      held_count_ -= n;
       break;
     case Destination::kGroupIndex:
       group_index_count_ += n;
@@ -370,26 +405,28 @@ void DevicePool::release_claims(Destination dest, ReleaseOrder order) {
   const int64_t count = claim_count_;
   claim_count_ = 0;
   if (count == 0) return;
-  if (order == ReleaseOrder::kClaimOrder) return release(list_, count, nullptr, count, dest, -1);
-  // Page order: the claimed pages, however many there were, from a scan of the states.
+  if (order == ReleaseOrder::kClaimOrder) return release(claims_, count, nullptr, count, dest, -1);
+  // Page order: the claimed pages, however many there were, from a scan of the states
+  // (in the shared mode, of this side's kind only).
+  const dev::StateWord claimed = word(kind_.claimed);
   if (dest == Destination::kGroupIndex) {
-    control_->exec().run(num_pages_, dev::ReplaceStateOp{state_, dev::kClaimed, dev::kQueuedByIndex});
+    control_->exec().run(num_pages_, dev::ReplaceStateOp{list_->state, claimed, word(kind_.queued_by_index)});
     group_has_index_frees_ = true;
     return;
   }
-  control_->exec().select_pages(state_, num_pages_, dev::kClaimed, dev::kClaimed, selected_, selected_count_);
+  control_->exec().select_pages(list_->state, num_pages_, claimed, claimed, selected_, selected_count_);
   release(selected_, 0, selected_count_, count, dest, -1);
 }
 
 void DevicePool::release_group(GroupQueue queue, Destination dest, ReleaseOrder order) {
   if (queue == GroupQueue::kByPage)
-    return release(group_pages_, group_page_count_, nullptr, group_page_count_, dest, dev::kGroupPageCount);
+    return release(group_pages_, group_page_count_, nullptr, group_page_count_, dest, group_page_word_);
   if (order == ReleaseOrder::kClaimOrder)  // the token pool queues its free() pages in a list
-    return release(group_index_, group_index_count_, nullptr, group_index_count_, dest, dev::kGroupIndexCount);
+    return release(group_index_, group_index_count_, nullptr, group_index_count_, dest, group_index_word_);
   if (!group_has_index_frees_) return;
   group_has_index_frees_ = false;
-  control_->exec().select_pages(state_, num_pages_, dev::kQueuedByIndex, dev::kQueuedByIndex, selected_,
-                                selected_count_);
+  const dev::StateWord queued = word(kind_.queued_by_index);
+  control_->exec().select_pages(list_->state, num_pages_, queued, queued, selected_, selected_count_);
   release(selected_, 0, selected_count_, num_pages_, dest, -1);
 }
 
@@ -399,15 +436,15 @@ PagePool DevicePool::snapshot() {
   control_->raise_found_errors();
   Executor& exec = control_->exec();
   int64_t counters[dev::kCounterWords];
-  exec.copy_to_host(counters, control_->counters(slot_) + parity_ * dev::kCounterWords, dev::kCounterWords);
+  exec.copy_to_host(counters, control_->counters(list_->slot) + list_->parity * dev::kCounterWords, dev::kCounterWords);
   // The ops keep every count within the pool; one that is not would size the copies below.
-  for (const dev::CounterWord word : {dev::kHead, dev::kFreeCount, dev::kStagedCount, dev::kGroupIndexCount,
-                                  dev::kGroupPageCount})
+  for (const dev::CounterWord word : {dev::kHead, dev::kFreeCount, dev::kStagedCount, group_index_word_,
+                                  group_page_word_})
     if (counters[word] < 0 || counters[word] > num_pages_ || (word == dev::kHead && counters[word] == num_pages_))
       throw std::logic_error("device pool counter " + std::to_string(word) + " is " + std::to_string(counters[word]) +
                              ", outside a pool of " + std::to_string(num_pages_) + " pages");
   std::vector<int64_t> ring(static_cast<size_t>(num_pages_)), free_list(static_cast<size_t>(counters[dev::kFreeCount]));
-  exec.copy_to_host(ring.data(), ring_, num_pages_);
+  exec.copy_to_host(ring.data(), list_->ring, num_pages_);
   for (int64_t k = 0; k < counters[dev::kFreeCount]; ++k) free_list[k] = ring[(counters[dev::kHead] + k) % num_pages_];
   const auto download = [&](const int64_t* src, int64_t n) {
     std::vector<int64_t> v(static_cast<size_t>(n));
@@ -415,30 +452,31 @@ PagePool DevicePool::snapshot() {
     return v;
   };
   std::vector<int64_t> state_words((num_pages_ + 2) / 2);
-  exec.copy_to_host(state_words.data(), reinterpret_cast<const int64_t*>(state_), (num_pages_ + 2) / 2);
+  exec.copy_to_host(state_words.data(), reinterpret_cast<const int64_t*>(list_->state), (num_pages_ + 2) / 2);
   const dev::StateWord* words = reinterpret_cast<const dev::StateWord*>(state_words.data());
   std::vector<PageState> state(static_cast<size_t>(num_pages_ + 1));
   std::vector<int64_t> queued_by_index =
-      token_mode() ? download(group_index_, counters[dev::kGroupIndexCount]) : std::vector<int64_t>();
+      token_mode() ? download(group_index_, counters[group_index_word_]) : std::vector<int64_t>();
   for (int64_t p = 0; p <= num_pages_; ++p) {
     state[p] = static_cast<PageState>(words[p]);
-    if (!token_mode() && words[p] == dev::kQueuedByIndex) queued_by_index.push_back(p);
+    if (!token_mode() && words[p] == word(kind_.queued_by_index)) queued_by_index.push_back(p);
   }
-  PagePool pool = PagePool::from_parts(size_, page_.size, need_sort_, free_list, download(staged_, counters[dev::kStagedCount]),
-                                       std::move(state), group_open_, std::move(queued_by_index),
-                                       download(group_pages_, counters[dev::kGroupPageCount]));
-  return pool;
+  return PagePool::from_parts(size_, page_.size, need_sort_, free_list, download(list_->staged, counters[dev::kStagedCount]),
+                              std::move(state), group_open_, std::move(queued_by_index),
+                              download(group_pages_, counters[group_page_word_]), kind_,
+                              list_.use_count() > 1);
 }
 
 void DevicePool::restore_pool(const PagePool& pool) {
   Executor& exec = control_->exec();
   const std::vector<int64_t> free_list = pool.free_list();
-  exec.copy_to_device(ring_, free_list.data(), static_cast<int64_t>(free_list.size()));
+  DeviceList& list = *list_;
+  exec.copy_to_device(list.ring, free_list.data(), static_cast<int64_t>(free_list.size()));
   std::vector<int64_t> ring_pos(static_cast<size_t>(num_pages_ + 1), 0);
   for (size_t k = 0; k < free_list.size(); ++k) ring_pos[free_list[k]] = static_cast<int64_t>(k);
-  exec.copy_to_device(ring_pos_, ring_pos.data(), num_pages_ + 1);
+  exec.copy_to_device(list.ring_pos, ring_pos.data(), num_pages_ + 1);
   const std::vector<int64_t>& staged = pool.staged_list();
-  exec.copy_to_device(staged_, staged.data(), static_cast<int64_t>(staged.size()));
+  exec.copy_to_device(list.staged, staged.data(), static_cast<int64_t>(staged.size()));
   const std::vector<int64_t>& by_index = pool.group_index_pages();
   if (token_mode()) exec.copy_to_device(group_index_, by_index.data(), static_cast<int64_t>(by_index.size()));
   const std::vector<int64_t>& by_page = pool.group_page_ids();
@@ -446,19 +484,24 @@ void DevicePool::restore_pool(const PagePool& pool) {
   std::vector<int64_t> state_words((num_pages_ + 2) / 2, 0);
   dev::StateWord* words = reinterpret_cast<dev::StateWord*>(state_words.data());
   for (int64_t p = 0; p <= num_pages_; ++p) words[p] = dev::state_word(pool.state(p));
-  exec.copy_to_device(reinterpret_cast<int64_t*>(state_), state_words.data(), static_cast<int64_t>(state_words.size()));
-  int64_t counters[dev::kCounterWords] = {};
-  counters[dev::kFreeCount] = static_cast<int64_t>(free_list.size());
-  counters[dev::kStagedCount] = static_cast<int64_t>(staged.size());
+  exec.copy_to_device(reinterpret_cast<int64_t*>(list.state), state_words.data(), static_cast<int64_t>(state_words.size()));
+  // Counter copy 0: the list's words, and this side's queue words (the shared mode's other
+  // side writes its own).
+  int64_t* const counters = control_->counters(list.slot);
+  const int64_t list_words[] = {0, static_cast<int64_t>(free_list.size()), static_cast<int64_t>(staged.size())};
+  static_assert(dev::kHead == 0 && dev::kFreeCount == 1 && dev::kStagedCount == 2, "the list's words come first");
+  exec.copy_to_device(counters, list_words, 3);
   group_index_count_ = token_mode() ? static_cast<int64_t>(by_index.size()) : 0;
   group_page_count_ = static_cast<int64_t>(by_page.size());
-  counters[dev::kGroupIndexCount] = group_index_count_;
-  counters[dev::kGroupPageCount] = group_page_count_;
-  exec.copy_to_device(control_->counters(slot_), counters, dev::kCounterWords);
-  parity_ = 0;
-  free_count_ = counters[dev::kFreeCount];
-  staged_count_ = counters[dev::kStagedCount];
-  base_unknown_ = false;
+  exec.copy_to_device(counters + group_index_word_, &group_index_count_, 1);
+  exec.copy_to_device(counters + group_page_word_, &group_page_count_, 1);
+  held_count_ = pool.held_count();
+  held_unknown_ = false;
+  exec.copy_to_device(counters + held_word_, &held_count_, 1);
+  list.parity = 0;
+  list.free_count = list_words[dev::kFreeCount];
+  list.staged_count = list_words[dev::kStagedCount];
+  list.base_unknown = false;
   group_open_ = pool.group_open();
   group_has_index_frees_ = !token_mode() && !by_index.empty();
   claim_count_ = 0;
@@ -472,12 +515,14 @@ void DevicePool::restore(const PagePool& state) {
 // ---------------------------------------------------------------- DeviceHybridStore
 
 DeviceHybridStore::DeviceHybridStore(std::shared_ptr<Executor> executor, int64_t size, int64_t size_swa,
-                                     int64_t page_size, bool need_sort, bool debug, int64_t* mapping,
+                                     int64_t page_size, bool need_sort, bool shared, bool debug, int64_t* mapping,
                                      int64_t mapping_len)
     : page_(page_size),
-      control_(std::make_shared<DeviceControl>(std::move(executor), 2, debug)),
+      shared_(shared),
+      control_(std::make_shared<DeviceControl>(std::move(executor), shared ? 1 : 2, debug)),
       full_(std::make_shared<DevicePool>(control_, 0, size, page_size, need_sort)),
-      swa_(std::make_shared<DevicePool>(control_, 1, size_swa, page_size, need_sort)),
+      swa_(shared ? DevicePool::swa_side_of(*full_)
+                  : std::make_shared<DevicePool>(control_, 1, size_swa, page_size, need_sort)),
       mapping_(mapping),
       mapping_len_(mapping_len) {
   full_pages_ = control_->exec().allocate(full_->num_pages());
@@ -511,9 +556,9 @@ void DeviceHybridStore::write_batch(const AllocPlan& plan, const BatchLengths& b
   if (plan.num_tokens > 0) {
     const int64_t swa_head = swa_continues_prefix(plan.call) ? -1 : plan.swa_head_len();
     exec.run(plan.num_tokens, dev::AllocSlotsOp{words, last_loc_check(plan, last_loc, call), plan.full_pages,
-                                                plan.swa_pages, swa_head, mapping_, slots});
+                                                plan.swa_pages, swa_head, mapping_, slots, shared_});
     full_->flip();
-    swa_->flip();
+    if (!shared_) swa_->flip();  // the shared mode's one list has one counter block
   }
   full_->took(plan.full_pages);
   swa_->took(plan.swa_pages);
@@ -559,7 +604,7 @@ void DeviceHybridStore::note_mapped(const int64_t* slots, int64_t count) {
 void DeviceHybridStore::claim_swa_of_pages(Span indices, bool, Call call) {
   if (indices.size == 0) return;
   swa_->defer_claim(indices.size, indices.size * page_.size,
-                    dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, indices.data, true, swa_->list(),
+                    dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, indices.data, true, swa_->claim_list(),
                                     full_pages_, control_->origin(call, kArgIndices)});
   note_mapped(indices.data, indices.size);
 }
@@ -570,7 +615,7 @@ void DeviceHybridStore::claim_swa_of_representatives(Span indices, Call call) {
   full_->check_page_count("indices", pages);
   if (pages == 0) return;
   swa_->defer_claim(pages, pages, dev::ClaimSwaOp{full_->view(), swa_->view(), mapping_, indices.data, false,
-                                                swa_->list(), full_pages_, control_->origin(call, kArgIndices)});
+                                                swa_->claim_list(), full_pages_, control_->origin(call, kArgIndices)});
   note_mapped(nullptr, pages);
 }
 
@@ -584,13 +629,13 @@ void DeviceHybridStore::claim_swa_of_evicted(const SlotRows& rows, const Evictio
   due.insert(due.end(), plan.release_offset.begin(), plan.release_offset.end());
   swa_->defer_claim(total, total,
                     dev::ClaimEvictedOp{full_->view(), swa_->view(), mapping_, rows.rows32, rows.rows64, rows.row_len,
-                                        control_->exec().upload(due), num_due, swa_->list(), full_pages_,
+                                        control_->exec().upload(due), num_due, swa_->claim_list(), full_pages_,
                                         control_->origin(kCallEvict, kArgReqToToken)});
   note_mapped(nullptr, total);
 }
 
 void DeviceHybridStore::undo_claims() {
-  if (control_->drop_claims()) {
+  if (control_->drop_claims()) {  // (in the shared mode, each side's claims by their kind)
     full_->unclaim_all();
     swa_->unclaim_all();
   }

@@ -99,10 +99,28 @@ class DeviceControl {
   int64_t watched_launches_ = 0;  // launches_ when the record's last copy was enqueued
 };
 
+// A free list in device memory (with its staging list, page states and counter block)
+// and the host's counts of it: a pool's own, or in the shared mode the one list of the
+// full and the SWA side.
+struct DeviceList {
+  int slot;  // its counter block in the control's words
+  int64_t *ring, *staged, *ring_pos;
+  dev::StateWord* state;
+  int parity = 0;  // the current counter copy
+  // Host counts. While base_unknown, they are changes since the read-back that will
+  // supply the base (taken at counter copy base_parity).
+  int64_t free_count = 0, staged_count = 0;
+  bool base_unknown = false;
+  int base_parity = 0;
+};
+
 // One pool in device memory; the page pool or the token pool (page size 1).
 class DevicePool final : public PoolStore {
  public:
   DevicePool(std::shared_ptr<DeviceControl> control, int slot, int64_t size, int64_t page_size, bool need_sort);
+  // The shared mode's SWA side: full_side's list, its own kind (SWA pages), claims and
+  // free group queues.
+  static std::shared_ptr<DevicePool> swa_side_of(DevicePool& full_side);
   DevicePool(const DevicePool&) = delete;
   DevicePool& operator=(const DevicePool&) = delete;
   ~DevicePool() override { control_->detach(this); }
@@ -115,6 +133,7 @@ class DevicePool final : public PoolStore {
   bool need_sort() const override { return need_sort_; }
   int64_t free_pages() override;  // may wait for a pending read-back
   int64_t staged_pages() override;
+  int64_t held_pages() override;
   bool group_open() const override { return group_open_; }
   void set_group_open(bool open) override;
   void check_usable() override { control_->check_usable(); }
@@ -137,9 +156,12 @@ class DevicePool final : public PoolStore {
   DeviceControl& control() { return *control_; }
   // Building blocks for the hybrid store.
   dev::PoolView view();  // reads the current counter copy, writes the other
-  void flip() { parity_ ^= 1; }
-  int64_t* list() { return list_; }
-  void took(int64_t n) { free_count_ -= n; }
+  void flip() { list_->parity ^= 1; }
+  int64_t* claim_list() { return claims_; }
+  void took(int64_t n) {
+    list_->free_count -= n;
+    held_count_ += n;
+  }
   // Defers the launch of a claim of up to n pages (into list() in claim order when listed).
   template <class Op>
   void defer_claim(int64_t launch, int64_t n, const Op& op) {
@@ -152,27 +174,32 @@ class DevicePool final : public PoolStore {
   void check_page_count(const char* arg, int64_t pages) const;
   void reset_pool();  // clear() without the control's reset, which the hybrid store does once
   void restore_pool(const PagePool& state);
-  void count_readback_started() { base_parity_ = parity_, base_unknown_ = true, free_count_ = staged_count_ = 0; }
+  void count_readback_started() {
+    list_->base_parity = list_->parity, list_->base_unknown = true, list_->free_count = list_->staged_count = 0;
+    held_unknown_ = true, held_count_ = 0;
+  }
   void count_readback_finished(const int64_t* ctl_copies);
 
  private:
+  DevicePool(std::shared_ptr<DeviceControl> control, std::shared_ptr<DeviceList> list, int64_t size,
+             int64_t page_size, bool need_sort, const PageKind& kind);
   void release(const int64_t* pages, int64_t n, const int64_t* device_count, int64_t launch, Destination dest,
                int64_t reset_word);
+  dev::StateWord word(PageState s) const { return dev::state_word(s); }
 
   std::shared_ptr<DeviceControl> control_;
-  int slot_;
+  std::shared_ptr<DeviceList> list_;
   int64_t size_, num_pages_, capacity_;
   PageGeometry page_;
   bool need_sort_;
-  // device arrays
-  int64_t *ring_, *staged_, *group_index_, *group_pages_, *list_, *ring_pos_, *selected_, *selected_count_;
-  dev::StateWord* state_;
-  int parity_ = 0;
-  // Host counts. While base_unknown_, they are changes since the read-back that will
-  // supply the base (taken at counter copy base_parity_).
-  int64_t free_count_ = 0, staged_count_ = 0;
-  bool base_unknown_ = false;
-  int base_parity_ = 0;
+  PageKind kind_;
+  dev::CounterWord group_index_word_, group_page_word_, held_word_;
+  // held_pages(), on the host; while held_unknown_, the change since the read-back that
+  // will supply the base (taken with the list's counts).
+  int64_t held_count_ = 0;
+  bool held_unknown_ = false;
+  // device arrays of this side: the free group queues, the claims in claim order, scratch
+  int64_t *group_index_, *group_pages_, *claims_, *selected_, *selected_count_;
   bool group_open_ = false, group_has_index_frees_ = false;
   int64_t group_index_count_ = 0, group_page_count_ = 0;  // host-known group queues
   int64_t claim_count_ = 0;  // the current call's claims (a bound for page-order releases)
@@ -181,15 +208,16 @@ class DevicePool final : public PoolStore {
 // The two pools of a hybrid allocator and the mapping, in device memory.
 class DeviceHybridStore final : public HybridStore {
  public:
+  // shared: the shared mode, whose pools are two sides of one list (SPEC.md section 8).
   DeviceHybridStore(std::shared_ptr<Executor> executor, int64_t size, int64_t size_swa, int64_t page_size,
-                    bool need_sort, bool debug, int64_t* mapping, int64_t mapping_len);
+                    bool need_sort, bool shared, bool debug, int64_t* mapping, int64_t mapping_len);
 
   PoolStore& full() override { return *full_; }
   PoolStore& swa() override { return *swa_; }
   std::shared_ptr<PoolStore> full_ptr() const override { return full_; }
   std::shared_ptr<PoolStore> swa_ptr() const override { return swa_; }
   int64_t mapping_len() const override { return mapping_len_; }
-  bool shared() const override { return false; }
+  bool shared() const override { return shared_; }
   const char* kernels() const override { return control_->exec().kernels(); }
   int64_t device_waits() const override { return control_->waits(); }
   void check_usable() override { control_->check_usable(); }
@@ -223,6 +251,7 @@ class DeviceHybridStore final : public HybridStore {
   void note_mapped(const int64_t* slots, int64_t count);
 
   PageGeometry page_;
+  bool shared_;
   std::shared_ptr<DeviceControl> control_;
   std::shared_ptr<DevicePool> full_, swa_;
   int64_t* mapping_;

@@ -27,8 +27,10 @@ std::shared_ptr<PagePool> PagePool::swa_side_of(PagePool& full_side) {
 
 PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
                               std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
-                              std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids) {
-  PagePool pool(size, page_size, need_sort);
+                              std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids,
+                              const PageKind& kind, bool shares_list) {
+  PagePool pool(size, page_size, need_sort, kind);
+  pool.shares_list_ = shares_list;
   if (static_cast<int64_t>(free_list.size()) > pool.num_pages_ || static_cast<int64_t>(state.size()) != pool.num_pages_ + 1)
     throw std::logic_error("pool snapshot of the wrong shape");
   std::copy(free_list.begin(), free_list.end(), pool.list_->ring.begin());
@@ -39,6 +41,7 @@ PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, c
   pool.group_open_ = group_open;
   pool.group_index_pages_ = std::move(group_index_pages);
   pool.group_page_ids_ = std::move(group_page_ids);
+  pool.held_count_ = pool.count_held();
   return pool;
 }
 
@@ -53,6 +56,7 @@ void PagePool::reset_state() {
   group_index_pages_.clear();
   group_page_ids_.clear();
   claimed_.clear();
+  held_count_ = 0;
 }
 
 void PagePool::clear() { reset_state(); }
@@ -92,6 +96,7 @@ void PagePool::take(int64_t n) {
   list_->head += n;
   if (list_->head >= num_pages_) list_->head -= num_pages_;
   list_->free_count -= n;
+  held_count_ += n;
 }
 
 void PagePool::validate_batch(const BatchLengths& batch, const LastLoc& last_loc, Call) {
@@ -235,6 +240,8 @@ std::vector<int64_t>* PagePool::Releaser::list() {
 void PagePool::Releaser::commit() {
   committed_ = true;
   if (count_ == 0) return;  // nothing placed: the shared mode's other side may have moved the list since
+  // Pages into a free group's queue stay the pool's until the group ends.
+  if (dest_ != Destination::kGroupIndex && dest_ != Destination::kGroupPages) pool_.held_count_ -= count_;
   if (std::vector<int64_t>* tail = list()) {
     tail->resize(list_size_ + static_cast<size_t>(count_));
     return;
@@ -292,6 +299,8 @@ void PagePool::check_invariants(const PagePool* other_side) const {
     if (!side->group_open_ && !(side->group_index_pages_.empty() && side->group_page_ids_.empty()))
       broken("pages queued without an open free group");
   }
+  for (const PagePool* side : sides)
+    if (side->held_count_ != side->count_held()) broken("the count of held pages is off");
   const bool alone = shares_list_ && other_side == nullptr;
   for (int64_t page = 1; page <= num_pages_; ++page) {
     if (seen[page]) continue;
@@ -300,6 +309,15 @@ void PagePool::check_invariants(const PagePool* other_side) const {
     const PageState s = list_->state[page];
     if (!held && !(alone && s != PageState::kFree && s != PageState::kStaged)) broken("page " + std::to_string(page) + " is marked free but is in no list");
   }
+}
+
+int64_t PagePool::count_held() const {
+  int64_t held = static_cast<int64_t>(group_page_ids_.size());  // their state names no kind
+  for (int64_t page = 1; page <= num_pages_; ++page) {
+    const PageState s = list_->state[page];
+    held += s == kind_.held || s == kind_.claimed || s == kind_.queued_by_index;
+  }
+  return held;
 }
 
 std::vector<int64_t> PagePool::queued_by_index() const {

@@ -60,9 +60,11 @@ class PagePool final : public PoolStore {
   // claims and free-group queues.
   static std::shared_ptr<PagePool> swa_side_of(PagePool& full_side);
   // A pool with the given contents (a device pool's snapshot); check_invariants() vets it.
+  // shares_list: a side of the shared mode, holding pages of `kind`.
   static PagePool from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
                              std::vector<int64_t> staged, std::vector<PageState> state, bool group_open,
-                             std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids);
+                             std::vector<int64_t> group_index_pages, std::vector<int64_t> group_page_ids,
+                             const PageKind& kind, bool shares_list);
 
   // PoolStore
   int64_t size() const override { return size_; }
@@ -72,6 +74,8 @@ class PagePool final : public PoolStore {
   bool need_sort() const override { return need_sort_; }
   int64_t free_pages() override { return list_->free_count; }
   int64_t staged_pages() override { return static_cast<int64_t>(list_->staged.size()); }
+  int64_t held_pages() override { return held_count_; }
+  int64_t held_count() const { return held_count_; }
   bool group_open() const override { return group_open_; }
   void set_group_open(bool open) override { group_open_ = open; }
   void check_usable() override {}
@@ -272,6 +276,8 @@ class PagePool final : public PoolStore {
   // Pages to dest, in the order given or sorted.
   void place_released(std::vector<int64_t>& pages, Destination dest, ReleaseOrder order);
   std::vector<int64_t> queued_by_index() const;
+  // held_pages() from the page states and the queues (a snapshot's, or the check of the count).
+  int64_t count_held() const;
 
   int64_t size_, num_pages_;
   int64_t capacity_;
@@ -280,6 +286,7 @@ class PagePool final : public PoolStore {
   PageKind kind_;
   PageListRef list_;
   bool shares_list_ = false;  // a side of the shared mode
+  int64_t held_count_ = 0;    // held_pages(), kept as pages are taken and released
   bool group_open_ = false;
   std::vector<int64_t> group_index_pages_;  // pages of free() calls held by the group
   std::vector<int64_t> group_page_ids_;     // pages of free_page_ids calls held by the group

@@ -39,6 +39,10 @@ class PoolStore {
   virtual int64_t free_pages() = 0;
   virtual int64_t staged_pages() = 0;
   int64_t available_pages() { return free_pages() + staged_pages(); }
+  // The pages this pool holds: out of the free and the staging list, those its open free
+  // group queues included (they come back when the group ends). In the shared mode each
+  // side counts its own kind; both sides' and the available pages make the one list.
+  virtual int64_t held_pages() = 0;
   virtual bool group_open() const = 0;
   virtual void set_group_open(bool open) = 0;
 

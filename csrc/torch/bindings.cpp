@@ -270,9 +270,6 @@ struct HybridHandle {
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
     const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size, shared);
     std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
-    if (shared && executor)
-      throw py::value_error("shared: the shared mode runs on kernels='cpu' only for now, got kernels='" +
-                            std::string(executor->kernels()) + "'");
     const auto demands = {pool_demand("size", size, page_size, true),
                           pool_demand("size_swa", size_swa, page_size, false)};
     build_pools(device, demands, [&] {
@@ -281,8 +278,8 @@ struct HybridHandle {
       int64_t* table = mapping.data_ptr<int64_t>();
       std::unique_ptr<swa::HybridStore> store;
       if (executor)
-        store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, debug, table,
-                                                         mapping_len);
+        store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, shared, debug,
+                                                         table, mapping_len);
       else
         store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, shared, table,
                                                        mapping_len);
@@ -596,6 +593,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("available_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->available_size(); }); }, swa_docs::hybrid_available_size)
       .def("full_available_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->full_available_size(); }); }, swa_docs::hybrid_full_available_size)
       .def("swa_available_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->swa_available_size(); }); }, swa_docs::hybrid_swa_available_size)
+      .def("full_used_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->full_used_size(); }); }, swa_docs::hybrid_full_used_size)
+      .def("swa_used_size", [](HybridHandle& h) { return reading(h, [&] { return h.alloc->swa_used_size(); }); }, swa_docs::hybrid_swa_used_size)
       .def("new_pages_available", [](HybridHandle& h, int64_t num_full_pages, int64_t num_swa_pages) {
              return reading(h, [&] { return h.alloc->new_pages_available(num_full_pages, num_swa_pages); });
            }, swa_docs::hybrid_new_pages_available, py::arg("num_full_pages"), py::arg("num_swa_pages"))

@@ -192,6 +192,12 @@ inline constexpr char hybrid_full_available_size[] =
     "Free slots (tokens) of the full-attention pool, staged pages included.";
 inline constexpr char hybrid_swa_available_size[] =
     "Free slots (tokens) of the SWA pool, staged pages included.";
+inline constexpr char hybrid_full_used_size[] =
+    "Slots (tokens) in the pages full KV holds: neither free nor staged, pages an open free group\n"
+    "holds included (SPEC.md section 8). Kept as pages are taken and released: no scan.";
+inline constexpr char hybrid_swa_used_size[] =
+    "Slots (tokens) in the pages SWA KV holds: neither free nor staged, pages an open free group\n"
+    "holds included (SPEC.md section 8). Kept as pages are taken and released: no scan.";
 
 inline constexpr char hybrid_new_pages_available[] =
     "Whether the full pool can hand out num_full_pages fresh pages and the SWA pool\n"

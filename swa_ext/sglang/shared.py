@@ -134,10 +134,9 @@ class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
     # -- what the scheduler reads of each side --
 
     def _swa_tokens_in_use(self):
-        """Tokens of the pages that hold SWA KV: the pages the mapping points into."""
-        mapped = self.full_to_swa_index_mapping[:-1]
-        pages = torch.unique(mapped[mapped > 0] // self.page_size)
-        return int(pages.numel()) * self.page_size
+        """Tokens of the pages that hold SWA KV (those an open free group holds included):
+        the allocator's count, kept as pages are taken and released, so no scan of the mapping."""
+        return self.swa_used_size()
 
     def swa_capacity_and_available(self, *, full_capacity, swa_capacity):
         """Each side's capacity is what it holds plus the free pages both may take, so

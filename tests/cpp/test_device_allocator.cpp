@@ -22,13 +22,14 @@ struct Pair {
   std::shared_ptr<HostExecutor> exec;
   DeviceHybridStore* dev_store;
   HybridAllocator dev;
-  // threads: the emulation's (HostExecutor).
-  Pair(int64_t size, int64_t size_swa, int64_t ps, bool need_sort, bool debug = false, int threads = 0)
-      : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, false))),
+  // threads: the emulation's (HostExecutor); shared: the shared mode (size_swa == size).
+  Pair(int64_t size, int64_t size_swa, int64_t ps, bool need_sort, bool debug = false, int threads = 0,
+       bool shared = false)
+      : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, shared))),
         dev_mapping(cpu_mapping.size()),
-        cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, false, cpu_mapping.data(), len())),
+        cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shared, cpu_mapping.data(), len())),
         exec(std::make_shared<HostExecutor>(0, threads)),
-        dev_store(new DeviceHybridStore(exec, size, size_swa, ps, need_sort, debug, dev_mapping.data(), len())),
+        dev_store(new DeviceHybridStore(exec, size, size_swa, ps, need_sort, shared, debug, dev_mapping.data(), len())),
         dev(std::unique_ptr<HybridStore>(dev_store)) {}
   int64_t len() const { return static_cast<int64_t>(cpu_mapping.size()); }
   DeviceControl& control() { return dev_store->control(); }
@@ -51,6 +52,8 @@ struct Pair {
   }
   void expect_same() {
     EXPECT_EQ(cpu.available_size(), dev.available_size());
+    EXPECT_EQ(cpu.full_used_size(), dev.full_used_size());
+    EXPECT_EQ(cpu.swa_used_size(), dev.swa_used_size());
     EXPECT_TRUE(cpu.backup_state() == dev.backup_state());
     dev.check_invariants();
   }
@@ -60,9 +63,11 @@ V slice(const V& v, size_t begin, size_t end) { return V(v.begin() + begin, v.be
 
 }  // namespace
 
-TEST(DeviceAllocator, LifecycleMatchesTheCpuCore) {
+// Allocations, decode, window eviction, a free group and frees of every kind, on both
+// stores; shared: in the shared mode (one list of 40 pages), threads: the emulation's.
+void expect_lifecycle_matches(bool shared, int threads) {
   for (const bool need_sort : {false, true}) {
-    Pair p(40 * 16, 24 * 16, 16, need_sort);
+    Pair p(40 * 16, (shared ? 40 : 24) * 16, 16, need_sort, false, threads, shared);
     const V slots = p.extend({0, 0, 0}, {37, 16, 5}, {-1, -1, -1}, 58);
     ASSERT_EQ(slots.size(), 58u);
     p.expect_same();
@@ -93,8 +98,31 @@ TEST(DeviceAllocator, LifecycleMatchesTheCpuCore) {
     p.dev.free(last);
     p.expect_same();
     EXPECT_EQ(p.dev.full_available_size(), 40 * 16);
-    EXPECT_EQ(p.dev.swa_available_size(), 24 * 16);
+    EXPECT_EQ(p.dev.swa_available_size(), (shared ? 40 : 24) * 16);
   }
+}
+
+TEST(DeviceAllocator, LifecycleMatchesTheCpuCore) { expect_lifecycle_matches(false, 0); }
+
+TEST(DeviceAllocator, SharedModeLifecycleMatchesTheCpuCore) {
+  expect_lifecycle_matches(true, 0);
+  expect_lifecycle_matches(true, 4);
+}
+
+TEST(DeviceAllocator, SharedModeReportsAnSwaPageFreedAsFullAsTheCpuCoreDoes) {
+  Pair p(32 * 4, 32 * 4, 4, false, /*debug=*/true, 0, /*shared=*/true);
+  const V slots = p.extend({0}, {6}, {-1}, 6);
+  V swa(slots.size());
+  p.dev.translate(slots, swa.data());
+  const V swa_page{swa[0]};
+  std::string cpu_message, dev_message;
+  try { p.cpu.free_full(swa_page); } catch (const ArgumentError& e) { cpu_message = e.what(); }
+  const AllocatorState before = p.dev.backup_state();
+  try { p.dev.free_full(swa_page); } catch (const ArgumentError& e) { dev_message = e.what(); }
+  EXPECT_NE(cpu_message.find("holds SWA KV"), std::string::npos) << cpu_message;
+  EXPECT_EQ(dev_message.substr(0, dev_message.find(" [in ")), cpu_message);
+  EXPECT_TRUE(p.dev.backup_state() == before);
+  p.expect_same();
 }
 
 TEST(DeviceAllocator, AFreesCountIsReadBackOnceByTheNextCallThatNeedsIt) {
@@ -106,6 +134,8 @@ TEST(DeviceAllocator, AFreesCountIsReadBackOnceByTheNextCallThatNeedsIt) {
   EXPECT_EQ(p.dev.available_size(), 16 * 16);
   EXPECT_EQ(p.control().waits(), waits + 1);
   EXPECT_TRUE(p.dev.new_pages_available(32, 16));
+  // The used counts came back with the free counts: no other wait.
+  EXPECT_EQ(p.dev.full_used_size() + p.dev.swa_used_size(), 0);
   EXPECT_EQ(p.control().waits(), waits + 1);
 }
 
