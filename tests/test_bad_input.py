@@ -496,6 +496,31 @@ def test_shared_mode_on_a_device_store_matches_the_cpu_store(device, kernels, pa
     assert seen[0][1] is None and seen[0][2] == 3 * ps
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "emulated"])
+def test_a_side_of_the_shared_mode_is_not_cleared_resized_or_restored_alone(kernels):
+    # One free list serves both sides: a side's clear() would free the other side's pages.
+    # Each of the three is refused by name, the allocator left as it was; the hybrid
+    # allocator's own calls serve both sides.
+    ps = 4
+    a = swa_ext.SWATokenToKVPoolAllocator(16 * ps, 16 * ps, ps, torch.bfloat16, "cpu", kernels=kernels, shared=True)
+    tail = a.alloc_extend_swa_tail(T([0]), T([0]), T([6 * ps]), T([6 * ps]), T([-1]), 6 * ps, 2 * ps)
+
+    def seen():
+        return (a.available_size(), a.full_used_size(), a.swa_used_size(), a.full_to_swa_index_mapping.tolist())
+
+    before = seen()
+    assert before[:3] == (8 * ps, 6 * ps, 2 * ps)
+    for side in (a.full_attn_allocator, a.swa_attn_allocator):
+        for name, args in (("clear", ()), ("resize", (8 * ps,)), ("restore_state", (side.backup_state(),))):
+            with pytest.raises(ValueError, match=f"^{name}: a side of the shared mode has no pool of its own"):
+                getattr(side, name)(*args)
+    assert seen() == before
+    a.check_invariants()
+    a.free(tail)
+    a.clear()
+    assert seen()[:3] == (16 * ps, 0, 0)
+
+
 def test_restore_state_from_another_shape(world):
     w = world
     other = swa_ext.SWATokenToKVPoolAllocator(SIZE * 2, SIZE_SWA, w.ps, torch.bfloat16, "cpu")

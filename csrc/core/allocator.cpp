@@ -132,11 +132,13 @@ void PoolAllocator::merge_and_sort_free() {
 }
 
 void PoolAllocator::resize(int64_t size) {
+  check_pool_alone("resize", store_->shares_list());
   check_resize("size", size, store_->geometry().size, store_->capacity());
   store_->resize(size);
 }
 
 void PoolAllocator::restore_state(const PagePool& state) {
+  check_pool_alone("restore_state", store_->shares_list());
   check_state_shape("a pool", state.size() == store_->size() && state.page_size() == store_->geometry().size);
   store_->restore(state);
 }

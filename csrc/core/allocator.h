@@ -36,7 +36,10 @@ class PoolAllocator {
   void free_group_end();
   void merge_and_sort_free();
 
-  void clear() { store_->clear(); }
+  void clear() {
+    check_pool_alone("clear", store_->shares_list());
+    store_->clear();
+  }
   void resize(int64_t size);
   PagePool backup_state() { return store_->snapshot(); }
   void restore_state(const PagePool& state);

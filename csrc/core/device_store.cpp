@@ -199,8 +199,10 @@ DevicePool::DevicePool(std::shared_ptr<DeviceControl> control, std::shared_ptr<D
 
 std::shared_ptr<DevicePool> DevicePool::swa_side_of(DevicePool& full_side) {
   // The list is full_side's, already reset; the side's own queues start empty.
-  return std::shared_ptr<DevicePool>(new DevicePool(full_side.control_, full_side.list_, full_side.size_,
-                                                    full_side.page_.size, full_side.need_sort_, PageKind::swa()));
+  std::shared_ptr<DevicePool> swa(new DevicePool(full_side.control_, full_side.list_, full_side.size_,
+                                                 full_side.page_.size, full_side.need_sort_, PageKind::swa()));
+  swa->shares_list_ = full_side.shares_list_ = true;
+  return swa;
 }
 
 dev::PoolView DevicePool::view() {

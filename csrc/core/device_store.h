@@ -133,6 +133,7 @@ class DevicePool final : public PoolStore {
   bool need_sort() const override { return need_sort_; }
   int64_t free_pages() override;  // may wait for a pending read-back
   int64_t staged_pages() override;
+  bool shares_list() const override { return shares_list_; }
   int64_t held_pages() override;
   bool group_open() const override { return group_open_; }
   void set_group_open(bool open) override;
@@ -189,6 +190,7 @@ class DevicePool final : public PoolStore {
 
   std::shared_ptr<DeviceControl> control_;
   std::shared_ptr<DeviceList> list_;
+  bool shares_list_ = false;  // a side of the shared mode
   int64_t size_, num_pages_, capacity_;
   PageGeometry page_;
   bool need_sort_;

@@ -77,6 +77,7 @@ class PagePool final : public PoolStore {
   int64_t held_pages() override { return held_count_; }
   int64_t held_count() const { return held_count_; }
   bool group_open() const override { return group_open_; }
+  bool shares_list() const override { return shares_list_; }
   void set_group_open(bool open) override { group_open_ = open; }
   void check_usable() override {}
   void merge() override;

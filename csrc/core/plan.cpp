@@ -60,6 +60,13 @@ void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capa
   if (size > capacity) fail(arg, "cannot grow past the ", capacity, " tokens the pool was built with, got ", size);
 }
 
+void check_pool_alone(const char* call, bool shares_list) {
+  if (shares_list) {
+    fail(call, "a side of the shared mode has no pool of its own (one free list serves full and SWA pages); call ",
+         call, "() on the SWATokenToKVPoolAllocator");
+  }
+}
+
 void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
                          int64_t swa_capacity, bool shared) {
   check_resize("size", size, page_size, full_capacity);

@@ -52,6 +52,9 @@ void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int6
                          int64_t swa_capacity, bool shared);
 // restore_state of a snapshot: it must come from an allocator (pool) of this shape.
 void check_state_shape(const char* what, bool same_shape);
+// clear, resize and restore_state of one pool: not of a side of the shared mode (its
+// free list is the other side's too; the hybrid allocator's call serves both).
+void check_pool_alone(const char* call, bool shares_list);
 
 // Arguments that hold one entry per request of a batch must agree in length; the error
 // names every one of them with its length (not only the first that differs).

@@ -73,6 +73,9 @@ class PoolStore {
   // An open free group's queue to dest (the group is already closed).
   virtual void release_group(GroupQueue queue, Destination dest, ReleaseOrder order) = 0;
 
+  // Whether this pool is a side of the shared mode, whose one free list it shares with
+  // the other side.
+  virtual bool shares_list() const = 0;
   // A cleared pool; resize() of size slots, checked by the caller.
   virtual void clear() = 0;
   virtual void resize(int64_t size) = 0;

@@ -14,11 +14,20 @@ retracted the way SGLang does it.
 """
 from __future__ import annotations
 
-import torch
+from sglang.srt import runtime_context
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import SharedSWAPrefillBudget, estimate_swa_kv_tokens
 
 from .adapters import SWATokenToKVPoolAllocator
+
+
+def _on_a_pd_decode_node():
+    """Whether this process's engine is a PD decode node, by the server arguments SGLang
+    published (none outside an engine: not one)."""
+    try:
+        return runtime_context.get_server_args().disaggregation_mode == "decode"
+    except ValueError:  # "Global server args is not set yet!"
+        return False
 
 
 class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
@@ -82,9 +91,13 @@ class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         """SGLang's clip on the one budget: the most new tokens whose full KV and SWA peak
         (estimated as SGLang's admission estimates it) fit the empty pool; None if the
         prompt alone does not."""
+        # What of the prompt the SWA side takes at once: a prefill's chunk; a PD decode
+        # node's preallocation (alloc_extend_swa_tail, pages > 1) the window tail only.
+        swa_prompt_limit = 0 if self.page_size > 1 and _on_a_pd_decode_node() else chunk_size
+
         def fits(new_tokens):
             swa = estimate_swa_kv_tokens(input_tokens, new_tokens, sliding_window_size=sliding_window_size,
-                                         page_size=self.page_size, allocation_limit=chunk_size)
+                                         page_size=self.page_size, allocation_limit=swa_prompt_limit)
             return self.can_reserve(input_tokens + new_tokens + self.page_size, swa, empty_pool=True,
                                     require_token_slack=True)
 
@@ -133,15 +146,11 @@ class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
 
     # -- what the scheduler reads of each side --
 
-    def _swa_tokens_in_use(self):
-        """Tokens of the pages that hold SWA KV (those an open free group holds included):
-        the allocator's count, kept as pages are taken and released, so no scan of the mapping."""
-        return self.swa_used_size()
-
     def swa_capacity_and_available(self, *, full_capacity, swa_capacity):
         """Each side's capacity is what it holds plus the free pages both may take, so
-        SGLang's conservation check (free + cached + held == capacity) holds on each side."""
+        SGLang's conservation check (free + cached + held == capacity) holds on each side.
+        What each side holds is the allocator's count (an open free group's pages
+        included), kept as pages are taken and released: no scan of the mapping."""
         free = self.available_size()
-        swa_used = self._swa_tokens_in_use()
-        full_used = self.size - free - swa_used
+        full_used, swa_used = self.full_used_size(), self.swa_used_size()
         return (full_used + free, free), (swa_used + free, free)

@@ -149,6 +149,33 @@ def test_new_tokens_are_clipped_to_what_the_empty_budget_holds():
                                            chunk_size=None) is None
 
 
+
+def test_a_decode_nodes_clip_charges_the_swa_side_for_the_window_tail_only(monkeypatch):
+    """A PD decode node preallocates SWA KV for the window tail (alloc_extend_swa_tail),
+    so a prompt whose full KV fits the budget is served there though its whole-prompt SWA
+    estimate (a prefill's) would not fit beside it; at page size 1 the node takes SWA KV
+    for the whole prompt, as the estimate says."""
+    from swa_ext.sglang import shared as shared_module
+
+    def clip(alloc, prompt_len):
+        return alloc.max_new_tokens_for_memory(prompt_len, 1000, token_capacity=512, sliding_window_size=WINDOW,
+                                               chunk_size=None)
+
+    assert clip(shared(), 400) is None  # 26 full + 26 SWA pages of 32: no engine process's node is a decode node
+    node = types.SimpleNamespace(disaggregation_mode="decode")
+    monkeypatch.setattr(shared_module.runtime_context, "get_server_args", lambda: node)
+    n = clip(shared(), 400)
+
+    def fits(n):  # the prompt's full KV and new tokens, the window tail and a page on the SWA side
+        full, swa = 400 + n + PAGE, min(400 + n, WINDOW) + PAGE
+        return -(-full // PAGE) + -(-swa // PAGE) <= 512 // PAGE and full + swa < 512
+
+    assert n is not None and fits(n) and not fits(n + 1), n
+    assert clip(shared(page_size=1), 400) is None
+    node.disaggregation_mode = "prefill"
+    assert clip(shared(), 400) is None
+
+
 # --- sizing, storage, refusals, the switch ----------------------------------------------
 
 
