@@ -22,21 +22,25 @@ import pd_harness
 
 EVICT_TIMER = os.path.join(pd_harness.HERE, "evict_timer")
 
-# The decode node's allocator: mode name -> (SWA_EXT_SGLANG, extra settings, lockstep?).
-# The default mode runs in lockstep: every allocator call repeated on SGLang's own, the
-# first difference stops the node. (The shared mode joins here as ("1", {"SWA_EXT_SHARED":
-# "1"}, False) once issue 42 lands.)
-MODES = {"default": ("lockstep", {}, True)}
+# The decode node's allocator: mode name -> (pd_harness's allocator mode, extra settings,
+# lockstep?). The default mode runs in lockstep: every allocator call repeated on SGLang's
+# own, the first difference stops the node. The shared mode (one budget of pages,
+# SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1) has no SGLang allocator to run beside it.
+MODES = {"default": ("lockstep", {}, True), "shared": ("shared", {}, False)}
 
-# SGLang's PD timeouts, short enough for a test: a decode node gives up on a transfer
-# after WAITING_TIMEOUT s (unless its heartbeat, every 5 s, finds the prefill node gone
-# first), holds an aborted request's pages until the prefill node acks the abort or
-# DEFERRED..._TIMEOUT s pass, and a prefill node drops a request no decode node asked for
-# after BOOTSTRAP_TIMEOUT s. The waiting timeout must outlast the load's queue at the
-# prefill node (20 s did not, on a busy machine).
-SHORT_TIMEOUTS = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "90",
+# SGLang's PD timeouts for a test: a decode node holds an aborted request's pages until
+# the prefill node acks the abort or DEFERRED..._TIMEOUT s pass (short: the faults wait
+# for it); it gives up on a transfer after WAITING_TIMEOUT s, unless its heartbeat (every
+# 5 s, two misses) finds the prefill node gone first, which it does in about 10 s, so the
+# waiting timeout need not be short for the dead prefill node and is long enough for the
+# load's queue at the prefill node. A prefill node drops a request no decode node asked
+# for after BOOTSTRAP_TIMEOUT s: under load a request waits that long in the decode node's
+# preallocation queue for its pages (at 20 s the prefill node dropped the load's requests
+# that waited, and the decode node then waited for KV that never came), so it outlasts a
+# wave.
+SHORT_TIMEOUTS = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
                   "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "4",
-                  "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20"}
+                  "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "600"}
 
 # A decode-node log line that reports a problem (SGLang prints no level: the words).
 PROBLEM = re.compile(r"error|exception|traceback|leak|crash|fail|timed out|timeout|diverge|warning|abort",

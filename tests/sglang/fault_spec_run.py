@@ -12,12 +12,24 @@ import asyncio
 import json
 import os
 import sys
+import time
 
 import pd_harness
 import spec_engine_run
 
 DRAFT_TOKENS = 4
 ABORT_AFTER_CHUNKS = 2
+FLUSH_TIMEOUT_S = 60
+
+
+def flush(engine):
+    """Empties the prefix cache. SGLang flushes an idle scheduler only, and the last answer
+    can leave before its request is released: tried again until it flushes."""
+    deadline = time.monotonic() + FLUSH_TIMEOUT_S
+    while not engine.flush_cache().success:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the prefix cache not flushed after {FLUSH_TIMEOUT_S} s")
+        time.sleep(0.5)
 
 
 def main(model_dir, result_path, page_size, max_total_tokens):
@@ -49,7 +61,7 @@ def main(model_dir, result_path, page_size, max_total_tokens):
         first = engine.loop.run_until_complete(round_one())
         second = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
         # The prefix cache keeps the finished requests' KV: emptied, both pools are whole.
-        engine.flush_cache()
+        flush(engine)
         calls = pd_harness.settled_allocator_calls(os.environ["SWA_EXT_PD_PROBE_DIR"])
     finally:
         engine.shutdown()

@@ -124,9 +124,15 @@ def engine_env(mode, interval, report):
     return env
 
 
-@functools.lru_cache(maxsize=None)
 def run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format="auto"):
-    """One engine run with every bridge: its results (None if it failed), log, lockstep counts, wall time."""
+    """One engine run with every bridge: its results (None if it failed), log, lockstep counts, wall time.
+    Run once a session for each set of arguments, however a caller spells them (test_faults.py
+    and test_shared_engine.py reuse this module's runs)."""
+    return _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format)
+
+
+@functools.lru_cache(maxsize=None)
+def _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format):
     tag = f"{algorithm}-{draft_tokens}-{page_size}-{interval}-{mode}"
     out_dir = os.path.join(os.path.dirname(model), f"spec-run-{tag}")
     os.makedirs(out_dir, exist_ok=True)
