@@ -137,7 +137,7 @@ DEPLOYMENT_BLOCKS = {
     "-d '{\"text\": \"The capital of France is\", \"sampling_params\": {\"temperature\": 0, "
     "\"max_new_tokens\": 32}}'",
     "export TRITON_INTERPRET=1 SGLANG_HOST_IP=127.0.0.1",
-    "SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1 python -m sglang.launch_server --model-path MODEL --host 127.0.0.1 "
+    "SWA_EXT_SGLANG=shared python -m sglang.launch_server --model-path MODEL --host 127.0.0.1 "
     "--port 30001 --base-gpu-id 1 --disaggregation-mode decode --disaggregation-transfer-backend mooncake "
     "--disaggregation-bootstrap-port 8998",
 }

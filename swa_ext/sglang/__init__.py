@@ -5,7 +5,7 @@ The package, one file for each part:
 - ``adapters``: the classes that ARE SGLang 0.5.23's allocator types, served by swa_ext;
 - ``lockstep``: SGLang's own allocator shadowing every call (``LockstepDivergence``);
 - ``installer``: which allocator SGLang builds, and ``install()`` / ``uninstall()``;
-- ``shared``, ``shared_pool``: the shared mode (``SWA_EXT_SHARED=1``): one budget of pages
+- ``shared``, ``shared_pool``: the shared mode (``SWA_EXT_SGLANG=shared``): one budget of pages
   for full and SWA KV, the scheduler's capacity gates priced on it, the KV pool whose SWA
   layers use the full layers' storage, sized at SGLang's KV bytes;
 - ``hooks``: the scheduler's per-step SWA bookkeeping (``maybe_evict_swa``) as one
@@ -24,10 +24,12 @@ allocators. SGLang loads ``swa_ext.sglang_plugin.plugin`` (entry point group
 - ``all``: also the single-pool allocators of non-SWA models;
 - ``lockstep``: as ``all``, and SGLang's own allocator shadows every call (hybrid and
   sub-allocator calls); the first difference in returned indices, available sizes or
-  the mapping raises ``LockstepDivergence`` naming the call and its arguments.
+  the mapping raises ``LockstepDivergence`` naming the call and its arguments;
+- ``shared``: swa_ext's shared mode serves the hybrid SWA allocator: one budget of pages
+  for full and SWA KV; a configuration it cannot serve is refused at start-up in one line.
 
-``SWA_EXT_SHARED=1`` beside ``1`` or ``all`` installs the shared mode; a configuration it
-cannot serve is refused at start-up in one line.
+Any other value (or the retired ``SWA_EXT_SHARED``) ends the process at start-up with one
+``swa_ext:`` line (swa_ext.sglang_plugin).
 
 Where swa_ext cannot serve a configuration (the per-request SWA ring, a device other
 than cpu/cuda, a platform's own paged allocator such as the NPU's, cuda with a CPU-only

@@ -51,6 +51,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from .. import _C
 from .lockstep import LockstepDivergence
+from .shared import SharedSWATokenToKVPoolAllocator, check_slot_kinds
 
 logger = logging.getLogger(__name__)
 
@@ -269,8 +270,22 @@ def _compare(reqs, got, want):
             f"(freed [{want_start}, {want_end})), swa_ext did not")
 
 
-def install():
-    schedule_batch.ScheduleBatch.maybe_evict_swa = maybe_evict_swa
+def _maybe_evict_swa_checking_slot_kinds(self):
+    """``maybe_evict_swa`` after the shared mode's slot-kind check (SWA_EXT_DEBUG=1)."""
+    if isinstance(self.token_to_kv_pool_allocator, SharedSWATokenToKVPoolAllocator):
+        if "slot kinds" not in _warned:
+            _warned.add("slot kinds")
+            logger.info("swa_ext: SWA_EXT_DEBUG=1: each scheduler step checks that no slot holds a full and an SWA "
+                        "token at once")
+        check_slot_kinds(self)
+    maybe_evict_swa(self)
+
+
+def install(*, check_slot_kinds_each_step=False):
+    """The hook in SGLang's scheduler; with ``check_slot_kinds_each_step`` (the shared mode
+    under SWA_EXT_DEBUG=1), each step first checks that no slot holds two kinds of KV."""
+    schedule_batch.ScheduleBatch.maybe_evict_swa = \
+        _maybe_evict_swa_checking_slot_kinds if check_slot_kinds_each_step else maybe_evict_swa
 
 
 def uninstall():
@@ -281,4 +296,4 @@ def uninstall():
 
 
 def installed():
-    return schedule_batch.ScheduleBatch.maybe_evict_swa is maybe_evict_swa
+    return schedule_batch.ScheduleBatch.maybe_evict_swa in (maybe_evict_swa, _maybe_evict_swa_checking_slot_kinds)

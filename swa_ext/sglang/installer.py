@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
+import os
 
 import torch
 from sglang.srt.mem_cache import kv_cache_configurator
@@ -124,8 +125,8 @@ def _warn_if_built_elsewhere(configurator, allocator_given, pools):
         return
     if kv_cache_configurator.get_memory().enable_unified_memory:
         logger.warning("swa_ext: --enable-unified-memory: SGLang's own %s serves this process's KV, not swa_ext "
-                       "(for swa_ext's one budget of full and SWA pages, drop the flag and set SWA_EXT_SGLANG=1 "
-                       "SWA_EXT_SHARED=1)", type(built).__name__)
+                       "(for swa_ext's one budget of full and SWA pages, drop the flag and set SWA_EXT_SGLANG="
+                       "shared)", type(built).__name__)
         return
     logger.warning("swa_ext: swa_ext does not serve this process; SGLang's own %s serves (SGLang built it on a path "
                    "that does not go through the allocator names swa_ext replaces)", type(built).__name__)
@@ -159,12 +160,11 @@ def install(*, single_pool=False, lockstep=False, evict_hook=True, shared=False)
     allocator cannot shadow it, so not with ``lockstep``. Calling it again replaces the
     previous installation."""
     if shared and lockstep:
-        raise ValueError("swa_ext: the shared mode has no lockstep (SGLang's allocator keeps two pools): "
-                         "SWA_EXT_SHARED=1 runs with SWA_EXT_SGLANG=1 or all")
+        raise ValueError("swa_ext: the shared mode has no lockstep (SGLang's allocator keeps two pools)")
     uninstall()
     kv_cache_configurator.KVCacheConfigurator._init_pools = _init_pools
     if evict_hook:
-        hooks.install()
+        hooks.install(check_slot_kinds_each_step=shared and os.environ.get("SWA_EXT_DEBUG", "") == "1")
     stand_ins = {"SWATokenToKVPoolAllocator": _stand_in(sglang_swa.SWATokenToKVPoolAllocator,
                                                         _swa_builder(lockstep, shared))}
     if shared:

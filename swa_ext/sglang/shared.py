@@ -1,5 +1,5 @@
 """swa_ext's shared mode as SGLang's hybrid allocator: one budget of pages for full and
-SWA KV (``SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1``; docs/sglang.md).
+SWA KV (``SWA_EXT_SGLANG=shared``; docs/sglang.md).
 
 SGLang's scheduler asks its allocator whether work fits through a few capacity gates
 (``mem_cache/allocator/base.py``): the prefill adder's budget, the PD decode node's
@@ -14,6 +14,7 @@ retracted the way SGLang does it.
 """
 from __future__ import annotations
 
+import torch
 from sglang.srt import runtime_context
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import SharedSWAPrefillBudget, estimate_swa_kv_tokens
@@ -154,3 +155,29 @@ class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         free = self.available_size()
         full_used, swa_used = self.full_used_size(), self.swa_used_size()
         return (full_used + free, free), (swa_used + free, free)
+
+
+class SlotKindCollision(RuntimeError):
+    """A slot in use as a full slot and as an SWA slot at once (found under SWA_EXT_DEBUG=1)."""
+
+
+def check_slot_kinds(batch):
+    """Whether every slot of the shared mode's one slot space holds one kind of KV, as the
+    engine sees it before a step allocates: the SWA slots in use (the mapping's entries)
+    are distinct and none is a full slot in use (one the mapping maps from, or one of a
+    batch request's rows in req_to_token). Raises ``SlotKindCollision`` naming the slots.
+    O(slots): a debugging check (SWA_EXT_DEBUG=1), run by the scheduler hook each step."""
+    mapping = batch.token_to_kv_pool_allocator.full_to_swa_index_mapping.cpu()
+    held = mapping > 0
+    swa_slots = mapping[held]
+    rows = [batch.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :req.kv.kv_allocated_len].cpu()
+            for req in batch.reqs if req.kv.req_pool_idx is not None]
+    full_slots = torch.cat([held.nonzero().flatten()] + rows)
+    unique, counts = swa_slots.unique(return_counts=True)
+    twice = unique[counts > 1]
+    both = swa_slots[torch.isin(swa_slots, full_slots)].unique()
+    if twice.numel() or both.numel():
+        raise SlotKindCollision(
+            f"swa_ext: slots hold two kinds of KV at once (SWA_EXT_DEBUG=1): SWA slots in use as full slots "
+            f"{both[:16].tolist()} ({both.numel()} in all), SWA slots mapped from two full slots "
+            f"{twice[:16].tolist()} ({twice.numel()} in all)")

@@ -1,4 +1,4 @@
-"""The shared mode's KV storage and sizing in SGLang (``SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1``).
+"""The shared mode's KV storage and sizing in SGLang (``SWA_EXT_SGLANG=shared``).
 
 SGLang sizes a hybrid SWA model's KV as two pools: ``full`` tokens of the full layers and
 ``swa`` tokens of the SWA layers (``--swa-full-tokens-ratio`` of ``full``), from the
@@ -19,20 +19,28 @@ import logging
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-from sglang.srt.runtime_context import get_memory, get_parallel
+from sglang.srt.runtime_context import attention_backends, get_memory, get_parallel
 
 logger = logging.getLogger(__name__)
 
-SERVED = ("SWA_EXT_SHARED=1 serves hybrid models whose full and SWA layers are equal in number and in KV bytes "
-          "per token (gpt-oss, Gemma 2, alternating Granite-SWA), with an unquantized MHA KV cache on cpu or cuda, "
-          "no draft model (NGRAM speculation is served) and swa_ext's own allocator")
+# The attention backends whose SWA layers read KV at the slots the full-to-SWA mapping
+# gives (SGLang 0.5.23's code). The others cannot serve one slot space: torch_native
+# indexes every layer's buffer with the full slots of req_to_token, so an SWA layer would
+# read its paired full layer's KV (in two pools it reads stale SWA rows, the same wrong
+# rows with either allocator).
+MAPPED_READ_BACKENDS = ("triton", "fa3", "fa4", "flashinfer", "trtllm_mha", "intel_amx")
+
+SERVED = ("SWA_EXT_SGLANG=shared serves hybrid models whose full and SWA layers are equal in number and in KV bytes "
+          "per token (gpt-oss, alternating Granite-SWA), with an unquantized MHA KV cache on cpu or cuda, "
+          f"attention backend {', '.join(MAPPED_READ_BACKENDS)}, no draft model (NGRAM speculation is served) and "
+          "swa_ext's own allocator")
 
 
 class SharedModeRefused(ValueError):
     """A configuration the shared mode cannot serve: one line, raised at start-up."""
 
     def __init__(self, reason):
-        super().__init__(f"swa_ext: {SERVED}; not this one: {reason}. Unset SWA_EXT_SHARED to serve it with two pools")
+        super().__init__(f"swa_ext: {SERVED}; not this one: {reason}. SWA_EXT_SGLANG=1 serves it with two pools")
 
 
 def _layer_mix_reason(configurator):
@@ -51,10 +59,22 @@ def _layer_mix_reason(configurator):
     return None
 
 
+def _attention_backend_reason():
+    """Why the attention backends SGLang resolved cannot read one slot space, or None."""
+    unserved = sorted({backend for backend in attention_backends() if backend not in MAPPED_READ_BACKENDS})
+    if unserved:
+        return (f"attention backend {', '.join(unserved)} (it reads SWA layers' KV at full slots; "
+                f"--attention-backend triton serves on the CPU)")
+    return None
+
+
 def refusal(configurator):
     """Why the shared mode cannot serve what this configurator builds, or None."""
     if configurator.spec_algorithm.is_speculative() and not configurator.spec_algorithm.is_ngram():
         return "a draft model's KV (speculative decoding other than NGRAM)"
+    reason = _attention_backend_reason()
+    if reason is not None:
+        return reason
     if configurator.post_capture_kv_active:
         return "post-capture KV backing"
     return _layer_mix_reason(configurator)

@@ -223,7 +223,7 @@ def _one_budget_line(b: dict) -> str:
         text += (f"; at SWA ratio {t['swa_ratio']:g}, the best on {Path(t['tuned_on']).name}, swa_ext runs "
                  f"{t['mean_running']:.1f} here ({t['vs_best'] - 1:+.0%})")
     retractions = ", ".join(f"{label} {n}" for label, n in b["retractions"].items())
-    return (f"{text}. Retractions: {retractions}. In SGLang: SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1 "
+    return (f"{text}. Retractions: {retractions}. In SGLang: SWA_EXT_SGLANG=shared "
             f"SGLANG_SWA_EVICTION_INTERVAL=1.")
 
 

@@ -1,5 +1,5 @@
 """One SGLang offline Engine run of tests/sglang/test_shared_engine.py's capacity workload on
-the CPU: ``python capacity_run.py MODEL_DIR RESULT_JSON`` (SWA_EXT_SGLANG, SWA_EXT_SHARED and
+the CPU: ``python capacity_run.py MODEL_DIR RESULT_JSON`` (SWA_EXT_SGLANG and
 SGLang's checks are read at start-up, so each mode is its own process). Writes the output ids;
 the scheduler logs every decode step's ``#running-req``.
 

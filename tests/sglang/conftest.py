@@ -28,13 +28,24 @@ MODEL_CONFIG = {
 }
 
 
-def write_checkpoint(path):
+# The tiny model of the engine, PD and speculative tests has two pairs of layers: with one,
+# a fault that hands an SWA layer another layer's buffer has no other SWA layer to collide
+# with (the shared mode's SWA layer i lives in full layer i's buffers).
+TINY_PAIRS = 2
+
+
+def model_config(pairs=TINY_PAIRS):
+    """The tiny model with ``pairs`` (sliding, full) pairs of layers (gpt-oss-20b has 12)."""
+    return dict(MODEL_CONFIG, num_hidden_layers=2 * pairs, layer_types=["sliding_attention", "full_attention"] * pairs)
+
+
+def write_checkpoint(path, pairs=TINY_PAIRS):
     """Random weights large enough that the next token depends on the whole context
     (SGLang's dummy weights, near zero, give outputs that ignore the KV cache)."""
     import torch
     from safetensors.torch import save_file
 
-    c = MODEL_CONFIG
+    c = model_config(pairs)
     h, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     head_dim, inter = h // heads, c["intermediate_size"]
     gen = torch.Generator().manual_seed(1234)
@@ -63,6 +74,14 @@ def write_checkpoint(path):
 def tiny_model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("granite_swa_tiny"))
     write_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def twelve_pair_model(tmp_path_factory):
+    """The tiny model with gpt-oss-20b's 12 pairs of layers."""
+    path = str(tmp_path_factory.mktemp("granite_swa_12_pairs"))
+    write_checkpoint(path, 12)
     return path
 
 

@@ -1,8 +1,10 @@
 """One SGLang offline Engine run on the CPU, for tests/sglang/test_engine.py.
 
 Run as a script in its own process (SWA_EXT_SGLANG and SGLang's checks are read at
-start-up): ``python engine_run.py MODEL_DIR RESULT_JSON PAGE_SIZE MAX_TOTAL_TOKENS SWA_RATIO`` (SWA_RATIO
-``default`` leaves SGLang's swa_full_tokens_ratio).
+start-up): ``python engine_run.py MODEL_DIR RESULT_JSON PAGE_SIZE MAX_TOTAL_TOKENS SWA_RATIO [ATTENTION_BACKEND [WORKLOAD]]``
+(SWA_RATIO ``default`` leaves SGLang's swa_full_tokens_ratio; the backend is triton unless
+given; WORKLOAD ``short``, for a model of many layers, keeps the first two requests of each
+round and fewer new tokens, still past the window and with radix hits).
 Two rounds of greedy generation; the second round's prompts share long prefixes with
 the first's, so the radix cache hits. Writes the output ids and cached-token counts.
 """
@@ -14,7 +16,8 @@ import sys
 # window slides during decoding. Round 2: the first 80 tokens of each round-1 prompt
 # with another tail and the round-1 prompt's last token, so the radix cache hits (and
 # test_outputs_depend_on_the_context has a last token seen after another context).
-NEW_TOKENS = (100, 40)  # per round
+NEW_TOKENS = {"full": (100, 40), "short": (28, 12)}  # per round
+REQUESTS = {"full": 4, "short": 2}
 
 
 def prompts(round_index):
@@ -24,18 +27,19 @@ def prompts(round_index):
     return [p[:80] + [(5 * i + j) % 500 + 3 for j in range(12)] + p[-1:] for i, p in enumerate(first)]
 
 
-def main(model_dir, result_path, page_size, max_total_tokens, swa_ratio):
+def main(model_dir, result_path, page_size, max_total_tokens, swa_ratio, attention_backend="triton",
+         workload="full"):
     import sglang
 
     ratio = {} if swa_ratio == "default" else {"swa_full_tokens_ratio": float(swa_ratio)}
     engine = sglang.Engine(model_path=model_dir, device="cpu", skip_tokenizer_init=True, page_size=page_size,
-                           max_total_tokens=max_total_tokens, **ratio, attention_backend="triton",
+                           max_total_tokens=max_total_tokens, **ratio, attention_backend=attention_backend,
                            triton_attention_num_kv_splits=1, disable_cuda_graph=True, log_level="info",
                            random_seed=0)
     rounds = []
     try:
-        for r, new_tokens in enumerate(NEW_TOKENS):
-            out = engine.generate(input_ids=prompts(r),
+        for r, new_tokens in enumerate(NEW_TOKENS[workload]):
+            out = engine.generate(input_ids=prompts(r)[:REQUESTS[workload]],
                                   sampling_params={"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
             rounds.append([{"output_ids": o["output_ids"], "cached_tokens": o["meta_info"]["cached_tokens"]}
                            for o in out])
@@ -46,4 +50,4 @@ def main(model_dir, result_path, page_size, max_total_tokens, swa_ratio):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:8])

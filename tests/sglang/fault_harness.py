@@ -25,7 +25,7 @@ EVICT_TIMER = os.path.join(pd_harness.HERE, "evict_timer")
 # The decode node's allocator: mode name -> (pd_harness's allocator mode, extra settings,
 # lockstep?). The default mode runs in lockstep: every allocator call repeated on SGLang's
 # own, the first difference stops the node. The shared mode (one budget of pages,
-# SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1) has no SGLang allocator to run beside it.
+# SWA_EXT_SGLANG=shared) has no SGLang allocator to run beside it.
 MODES = {"default": ("lockstep", {}, True), "shared": ("shared", {}, False)}
 
 # SGLang's PD timeouts for a test: a decode node holds an aborted request's pages until

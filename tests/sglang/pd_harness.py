@@ -24,6 +24,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUBS = os.path.join(HERE, "stubs")
 PROBE = os.path.join(HERE, "pd_probe")
+KV_CHECK = os.path.join(HERE, "kv_check")  # KV-sensitive dummy weights, planted KV faults (its docstring)
 HOST = "127.0.0.1"
 
 # What a CPU-only run of SGLang's nodes needs, here and not in swa_ext:
@@ -44,20 +45,27 @@ DECODE_CPU_ARGS = {"disaggregation_decode_retraction_backup": "cpu_tensor"}
 PREFILL_CPU_ARGS = {"disable_radix_cache": True}
 
 
-def node_env(mode, probe_dir, lockstep_report=None):
+def node_env(mode, probe_dir, lockstep_report=None, fault=None):
     """The environment of one SGLang node: allocator mode (allocator_variables), SGLang's strict memory and KV-page checks on, the probe's
-    report directory, and only loopback addresses."""
+    report directory, and only loopback addresses. The shared mode runs with SWA_EXT_DEBUG=1
+    (each step checks that no slot holds two kinds of KV); ``fault`` plants a KV fault
+    (tests/sglang/kv_check)."""
     env = dict(os.environ, TRITON_INTERPRET="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
                SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", SGLANG_CHECK_KV_PAGE_INVARIANTS="1",
                # SGLang frees a request's out-of-window SWA every 128 decode steps by default,
                # more than a short test decodes: every 16, the tests see the window move.
                SGLANG_SWA_EVICTION_INTERVAL="16",
                SGLANG_HOST_IP=HOST, MC_TCP_BIND_ADDRESS=HOST, SWA_EXT_PD_PROBE_DIR=probe_dir,
-               PYTHONPATH=os.pathsep.join([STUBS, PROBE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                             if p]))
-    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SWA_EXT_LOCKSTEP_REPORT", "SGLANG_PLUGINS"):
+               PYTHONPATH=os.pathsep.join([STUBS, PROBE, KV_CHECK] + [
+                   p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SWA_EXT_LOCKSTEP_REPORT", "SGLANG_PLUGINS", "SWA_EXT_DEBUG",
+                 "SWA_EXT_TEST_KV_FAULT"):
         env.pop(name, None)
     env.update(allocator_variables(mode))
+    if mode == "shared":
+        env["SWA_EXT_DEBUG"] = "1"
+    if fault:
+        env["SWA_EXT_TEST_KV_FAULT"] = fault
     if lockstep_report:
         env["SWA_EXT_LOCKSTEP_REPORT"] = lockstep_report
     os.makedirs(probe_dir, exist_ok=True)
@@ -66,10 +74,10 @@ def node_env(mode, probe_dir, lockstep_report=None):
 
 def allocator_variables(mode):
     """The variables of an allocator mode: ``sglang`` (SGLang's own: none), ``shared``
-    (swa_ext's shared mode: SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1) or a SWA_EXT_SGLANG value."""
+    (swa_ext's shared mode: SWA_EXT_SGLANG=shared) or another SWA_EXT_SGLANG value."""
     if mode == "sglang":
         return {}
-    return {"SWA_EXT_SGLANG": "1", "SWA_EXT_SHARED": "1"} if mode == "shared" else {"SWA_EXT_SGLANG": mode}
+    return {"SWA_EXT_SGLANG": mode}
 
 
 def probe_records(probe_dir, kind):
@@ -220,7 +228,7 @@ class Pair:
                  decode_max_total_tokens=None, env=None, decode_env=None):
         """``decode_max_total_tokens``: the decode node's pool when it differs from the
         prefill node's; ``env``: settings of both nodes, ``decode_env``: of the decode node
-        (with ``decode_mode``'s own, such as SWA_EXT_SHARED)."""
+        (with ``decode_mode``'s own)."""
         self.workdir = workdir
         self.prefill_probe, self.decode_probe = (os.path.join(workdir, f"{role}-probe") for role in ("prefill", "decode"))
         self.lockstep_report = os.path.join(workdir, "decode-lockstep.json") if decode_mode == "lockstep" else None

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import STUBS
-from pd_harness import allocator_variables
+from pd_harness import KV_CHECK, allocator_variables
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_POOL = (8192, "default")  # (max_total_tokens, swa_full_tokens_ratio)
@@ -25,9 +25,13 @@ TIGHT_POOL = (400, "1.0")
 
 
 @functools.lru_cache(maxsize=None)
-def run_engine(model, page_size, pool, mode):
-    """One engine run: its results, log, lockstep counts and wall time."""
-    out_dir = os.path.join(os.path.dirname(model), f"run-{page_size}-{pool[0]}-{mode}")
+def run_engine(model, page_size, pool, mode, fault=None, workload="full"):
+    """One engine run: its results, log, lockstep counts and wall time. ``fault`` plants a
+    KV fault (tests/sglang/kv_check: ``SWA_EXT_TEST_KV_FAULT``) so that a test shows its
+    comparison can fail. The shared mode runs with SWA_EXT_DEBUG=1: each step checks that
+    no slot holds two kinds of KV. ``workload``: engine_run.py's."""
+    out_dir = os.path.join(os.path.dirname(model), f"run-{page_size}-{pool[0]}-{mode}-{workload}" +
+                           (f"-{fault}" if fault else ""))
     os.makedirs(out_dir, exist_ok=True)
     result, report = os.path.join(out_dir, "result.json"), os.path.join(out_dir, "lockstep.json")
     env = dict(os.environ, SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
@@ -36,12 +40,17 @@ def run_engine(model, page_size, pool, mode):
                # Out-of-window frees every 8 tokens, not SGLang's 128: with 100 new tokens the
                # scheduler's eviction (swa_ext's hook under SWA_EXT_SGLANG) runs many times.
                SGLANG_SWA_EVICTION_INTERVAL="8",
-               PYTHONPATH=os.pathsep.join([STUBS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED"):
+               PYTHONPATH=os.pathsep.join([STUBS, KV_CHECK] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                               if p]))
+    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SWA_EXT_DEBUG", "SWA_EXT_TEST_KV_FAULT"):
         env.pop(name, None)
     env.update(allocator_variables(mode))
+    if mode == "shared":
+        env["SWA_EXT_DEBUG"] = "1"
+    if fault:
+        env["SWA_EXT_TEST_KV_FAULT"] = fault
     proc, log, counts, wall = run_script([os.path.join(HERE, "engine_run.py"), model, result, str(page_size),
-                                          str(pool[0]), pool[1]], env, out_dir, report)
+                                          str(pool[0]), pool[1], "triton", workload], env, out_dir, report)
     assert proc.returncode == 0 and os.path.exists(result), f"engine run failed ({mode}):\n{log[-6000:]}"
     with open(result) as f:
         rounds = json.load(f)["rounds"]

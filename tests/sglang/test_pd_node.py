@@ -52,11 +52,12 @@ ALLOCATOR_CLASSES = {"sglang": ("sglang", "SWATokenToKVPoolAllocator"), "1": ("s
 
 
 @functools.lru_cache(maxsize=None)
-def decode_node(model, config, mode):
+def decode_node(model, config, mode, fault=None):
     """One decode node run: outputs, the probe's allocator calls, lockstep counts, log, wall
-    time (once a session: test_shared_pd.py compares with SGLang's run here)."""
+    time (once a session: test_shared_pd.py compares with SGLang's run here); ``fault``
+    plants a KV fault (pd_harness.node_env)."""
     page_size, max_total_tokens, engine_args = CONFIGS[config]
-    out_dir = os.path.join(os.path.dirname(model), f"pd-node-{config}-{mode}")
+    out_dir = os.path.join(os.path.dirname(model), f"pd-node-{config}-{mode}" + (f"-{fault}" if fault else ""))
     os.makedirs(out_dir, exist_ok=True)
     spec_path, result = os.path.join(out_dir, "spec.json"), os.path.join(out_dir, "result.json")
     report, probe = os.path.join(out_dir, "lockstep.json"), os.path.join(out_dir, "probe")
@@ -65,7 +66,7 @@ def decode_node(model, config, mode):
                    "engine_args": dict(page_size=page_size, max_total_tokens=max_total_tokens,
                                        disaggregation_mode="decode", disaggregation_transfer_backend="fake",
                                        **pd_harness.DECODE_CPU_ARGS, **engine_args)}, f)
-    env = pd_harness.node_env(mode, probe, report if mode == "lockstep" else None)
+    env = pd_harness.node_env(mode, probe, report if mode == "lockstep" else None, fault)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, pd_harness.__file__, "engine", spec_path, result], env=env,
                           capture_output=True, text=True, timeout=600, start_new_session=True)

@@ -23,7 +23,7 @@ from swa_ext import simulator
 from swa_ext.models import ModelConfig
 from swa_ext.traces import Request
 
-from conftest import MODEL_CONFIG
+from conftest import model_config
 
 try:
     import mooncake.engine  # noqa: F401
@@ -115,12 +115,13 @@ def test_pair_decode_node_served_by_swa_ext_in_lockstep(pair_run):
 
 def tiny_model_shape():
     """The tiny model as the simulator sees it (bf16 KV, as the nodes hold it)."""
-    layers = MODEL_CONFIG["layer_types"]
-    return ModelConfig(name="granite-swa-tiny", window=MODEL_CONFIG["sliding_window"],
+    config = model_config()
+    layers = config["layer_types"]
+    return ModelConfig(name="granite-swa-tiny", window=config["sliding_window"],
                        swa_layers=layers.count("sliding_attention"), full_layers=layers.count("full_attention"),
-                       kv_heads=MODEL_CONFIG["num_key_value_heads"],
-                       head_dim=MODEL_CONFIG["hidden_size"] // MODEL_CONFIG["num_attention_heads"],
-                       context_len=MODEL_CONFIG["max_position_embeddings"])
+                       kv_heads=config["num_key_value_heads"],
+                       head_dim=config["hidden_size"] // config["num_attention_heads"],
+                       context_len=config["max_position_embeddings"])
 
 
 def test_pair_sends_only_the_window_tail_of_the_swa_layers(pair_run):

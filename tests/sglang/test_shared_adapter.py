@@ -199,6 +199,7 @@ def pool_config(full=4096, swa=3264):
 def runtime(monkeypatch):
     monkeypatch.setattr(shared_pool, "get_memory", lambda: types.SimpleNamespace(enable_unified_memory=False))
     monkeypatch.setattr(shared_pool, "get_parallel", lambda: types.SimpleNamespace(attn_tp_size=1))
+    monkeypatch.setattr(shared_pool, "attention_backends", lambda: ("triton", "triton"))
 
 
 def test_one_slot_count_in_the_bytes_of_sglangs_two_pools(runtime):
@@ -215,11 +216,29 @@ def test_one_slot_count_in_the_bytes_of_sglangs_two_pools(runtime):
     (dict(algorithm="EAGLE"), "a draft model's KV"),
 ])
 def test_what_the_shared_mode_cannot_serve_is_one_line_naming_what_it_serves(runtime, kwargs, why):
+    check_refused_in_one_line(kwargs, why)
+
+
+@pytest.mark.parametrize("backends", [("torch_native", "torch_native"), ("triton", "torch_native"),
+                                      ("flex_attention", "triton")])
+def test_a_backend_that_reads_swa_layers_at_full_slots_is_refused(runtime, monkeypatch, backends):
+    """SGLang's torch_native reads every layer's buffer at req_to_token's full slots: in one
+    slot space an SWA layer would read its paired full layer's KV. Refused, naming it and
+    what serves; the backends that read SWA layers through the mapping are served."""
+    monkeypatch.setattr(shared_pool, "attention_backends", lambda: backends)
+    unserved = sorted(set(backends) - {"triton"})
+    check_refused_in_one_line({}, f"attention backend {', '.join(unserved)} (it reads SWA layers' KV at full slots")
+    for served in shared_pool.MAPPED_READ_BACKENDS:
+        monkeypatch.setattr(shared_pool, "attention_backends", lambda: (served, served))
+        assert shared_pool.shared_sizes(configurator(), pool_config()).max_total_num_tokens == 7360
+
+
+def check_refused_in_one_line(kwargs, why):
     with pytest.raises(shared_pool.SharedModeRefused) as refused:
         shared_pool.shared_sizes(configurator(**kwargs), pool_config())
     message = str(refused.value)
-    assert "\n" not in message and why in message and message.startswith("swa_ext: SWA_EXT_SHARED=1 serves hybrid")
-    assert "equal in number and in KV bytes per token" in message and "Unset SWA_EXT_SHARED" in message
+    assert "\n" not in message and why in message and message.startswith("swa_ext: SWA_EXT_SGLANG=shared serves hybrid")
+    assert "equal in number and in KV bytes per token" in message and "SWA_EXT_SGLANG=1 serves it with two pools" in message
 
 
 def test_the_swa_layers_keep_their_kv_in_the_full_layers_buffers():
@@ -238,26 +257,76 @@ def test_the_swa_layers_keep_their_kv_in_the_full_layers_buffers():
                                     device="cpu", enable_memory_saver=False)
 
 
+@pytest.mark.parametrize("variables,why", [
+    ({"SWA_EXT_SGLANG": "yes"}, "swa_ext: SWA_EXT_SGLANG='yes' is not a mode: set it to one of 1, all, lockstep, shared"),
+    ({"SWA_EXT_SGLANG": "Shared"}, "swa_ext: SWA_EXT_SGLANG='Shared' is not a mode"),
+    ({"SWA_EXT_SGLANG": "1", "SWA_EXT_SHARED": "1"}, "swa_ext: SWA_EXT_SHARED is gone: the shared mode is "
+                                                     "SWA_EXT_SGLANG=shared (unset SWA_EXT_SHARED; SWA_EXT_SGLANG is 1 now)"),
+    ({"SWA_EXT_SHARED": "1"}, "SWA_EXT_SGLANG is unset now"),
+])
+def test_a_switch_swa_ext_cannot_serve_ends_the_process_in_one_line(monkeypatch, variables, why):
+    """SGLang's plugin loader only logs an Exception: SystemExit is not one."""
+    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stopped:
+        sglang_plugin.plugin()
+    assert not isinstance(stopped.value, Exception)
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith("swa_ext: ") and why in message, message
+    assert adapter.installed() == []
+
+
 def test_the_switch(monkeypatch):
-    monkeypatch.setenv("SWA_EXT_SHARED", "1")
-    monkeypatch.delenv("SWA_EXT_SGLANG", raising=False)
-    with pytest.raises(ValueError, match="set SWA_EXT_SGLANG=1 beside it"):
-        sglang_plugin.plugin()
-    monkeypatch.setenv("SWA_EXT_SGLANG", "lockstep")
-    with pytest.raises(ValueError, match="the shared mode has no lockstep"):
-        sglang_plugin.plugin()
-    monkeypatch.setenv("SWA_EXT_SHARED", "yes")
-    with pytest.raises(ValueError, match="SWA_EXT_SHARED: expected 1"):
-        sglang_plugin.plugin()
+    monkeypatch.delenv("SWA_EXT_SHARED", raising=False)
     original_pool = kv_cache_configurator.SWAKVPool
-    monkeypatch.setenv("SWA_EXT_SGLANG", "1")
-    monkeypatch.setenv("SWA_EXT_SHARED", "1")
+    monkeypatch.setenv("SWA_EXT_SGLANG", "shared")
     try:
         sglang_plugin.plugin()
         assert kv_cache_configurator.SWAKVPool is shared_pool.SharedSWAKVPool
         built = kv_cache_configurator.SWATokenToKVPoolAllocator(256, 256, PAGE, torch.float16, "cpu",
                                                                 RecordingSWAKVCache(), False)
         assert type(built) is SharedSWATokenToKVPoolAllocator
+        assert adapter.installed() == ["SWAKVPool", "SWATokenToKVPoolAllocator"]  # not the single-pool ones
     finally:
         adapter.uninstall()
     assert kv_cache_configurator.SWAKVPool is original_pool
+    with pytest.raises(ValueError, match="the shared mode has no lockstep"):
+        adapter.install(lockstep=True, shared=True)
+
+
+# --- the slot-kind check (SWA_EXT_DEBUG=1, each scheduler step) ---------------------------
+
+
+def batch_of(alloc, rows):
+    """Stands for SGLang's ScheduleBatch: requests whose req_to_token rows are ``rows``."""
+    req_to_token = torch.zeros((len(rows), 256), dtype=torch.int64)
+    reqs = []
+    for i, row in enumerate(rows):
+        req_to_token[i, :len(row)] = row
+        reqs.append(types.SimpleNamespace(kv=types.SimpleNamespace(req_pool_idx=i, kv_allocated_len=len(row))))
+    reqs.append(types.SimpleNamespace(kv=types.SimpleNamespace(req_pool_idx=None, kv_allocated_len=0)))  # no KV yet
+    return types.SimpleNamespace(token_to_kv_pool_allocator=alloc, reqs=reqs,
+                                 req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token))
+
+
+def test_the_slot_kind_check_finds_a_slot_in_use_as_full_and_as_swa():
+    from swa_ext.sglang.shared import SlotKindCollision, check_slot_kinds
+
+    alloc = shared()
+    first, second = prompt(alloc, 40, 20), prompt(alloc, 70, 30)
+    batch = batch_of(alloc, [first, second])
+    check_slot_kinds(batch)  # what the allocator hands out holds one kind
+    swa_of_second = int(alloc.translate_loc_from_full_to_swa(second[-1:]))
+    mapping = alloc.full_to_swa_index_mapping
+    saved = mapping.clone()
+    mapping[first[-1]] = second[0]  # a running request's full slot also an SWA slot
+    with pytest.raises(SlotKindCollision, match=rf"SWA slots in use as full slots \[{int(second[0])}\] \(1 in all\)"):
+        check_slot_kinds(batch)
+    mapping.copy_(saved)
+    mapping[first[-1]] = swa_of_second  # one SWA slot for two full tokens
+    with pytest.raises(SlotKindCollision, match=rf"mapped from two full slots \[{swa_of_second}\]"):
+        check_slot_kinds(batch)
+    mapping.copy_(saved)
+    check_slot_kinds(batch)

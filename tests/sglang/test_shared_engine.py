@@ -1,4 +1,4 @@
-"""swa_ext's shared mode (SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1: one budget of pages for full
+"""swa_ext's shared mode (SWA_EXT_SGLANG=shared: one budget of pages for full
 and SWA KV, the SWA layers' KV in the full layers' buffers) in SGLang's own offline engine
 on the CPU, SGLang's strict memory and KV-page checks on, each run its own process:
 
@@ -10,6 +10,7 @@ on the CPU, SGLang's strict memory and KV-page checks on, each run its own proce
 - NGRAM speculative decoding (tests/sglang/spec_engine_run.py, a pool that makes requests
   wait): SGLang's outputs and verify counts.
 """
+import concurrent.futures
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import re
 import pytest
 
 import capacity_run
+from conftest import TINY_PAIRS
 import pd_harness
 from test_engine import DEFAULT_POOL, run_engine, run_script, swa_ext_lines
 from test_spec_engine import run_spec_engine
@@ -24,6 +26,7 @@ from test_spec_engine import run_spec_engine
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED_LINE = re.compile(r"swa_ext: shared mode: one budget of (\d+) slots for full and SWA KV, in the bytes SGLang "
                          r"sized for (\d+) full and (\d+) SWA tokens")
+SLOT_KINDS_CHECKED = "swa_ext: SWA_EXT_DEBUG=1: each scheduler step checks that no slot holds a full and an SWA token"
 SGLANG_SIZES = re.compile(r"full_layer_tokens=(\d+), swa_layer_tokens=(\d+)")
 
 
@@ -45,14 +48,74 @@ def check_shared_served(log, page_size):
         f"and SWA pages, shared mode" in served[0] and f"page size {page_size}" in served[0], served
 
 
-@pytest.mark.parametrize("page_size", [16, 1])
-def test_shared_mode_gives_sglangs_outputs(tiny_model, page_size):
-    reference = run_engine(tiny_model, page_size, DEFAULT_POOL, "sglang")
-    shared = run_engine(tiny_model, page_size, DEFAULT_POOL, "shared")
+# (pairs of layers, page size): the tiny model (two pairs; its references are test_engine's
+# too) and the same with twelve pairs as gpt-oss-20b has (engine_run.py's short workload:
+# a step of 24 layers in triton's interpreter takes seconds); triton, the one attention
+# backend the shared mode serves that runs on this CPU (intel_amx needs SGLang's CPU
+# sgl-kernel, built from source; torch_native is refused: test_shared_adapter.py).
+CASES = [(TINY_PAIRS, 16), (TINY_PAIRS, 1), (12, 16)]
+# Each comparison above shown able to fail: the same run with a planted KV fault.
+FAULTS = [("write_row_off", TINY_PAIRS, 16), ("view_layer_off", TINY_PAIRS, 16), ("write_row_off", TINY_PAIRS, 1),
+          ("view_layer_off", 12, 16)]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tiny_model, twelve_pair_model):
+    """Every run of CASES and FAULTS and their references, two engines at a time (one a core)."""
+    models = {TINY_PAIRS: tiny_model, 12: twelve_pair_model}
+    runs = {(pairs, page, mode, None) for pairs, page in CASES for mode in ("sglang", "shared")}
+    runs |= {(pairs, page, "shared", fault) for fault, pairs, page in FAULTS}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {run: pool.submit(run_engine, models[run[0]], run[1], DEFAULT_POOL, run[2], run[3],
+                                    "short" if run[0] == 12 else "full")
+                   for run in sorted(runs, key=lambda r: (r[1], -r[0]))}  # the longest first
+        return {run: future.result() for run, future in futures.items()}
+
+
+def differing_tokens(run, reference):
+    return sum(a != b for got, want in zip(run["rounds"], reference["rounds"]) for o, r in zip(got, want)
+               for a, b in zip(o["output_ids"], r["output_ids"]))
+
+
+@pytest.mark.parametrize("pairs,page_size", CASES, ids=[f"{p}pairs-page{q}" for p, q in CASES])
+def test_shared_mode_gives_sglangs_outputs(engine_runs, pairs, page_size):
+    """Greedy outputs and cached tokens equal to SGLang's own allocator's, two rounds with
+    radix hits, decodes past the window; SWA_EXT_DEBUG=1 checked each step that no slot
+    held a full and an SWA token at once (a collision stops the engine)."""
+    reference, shared = engine_runs[pairs, page_size, "sglang", None], engine_runs[pairs, page_size, "shared", None]
     assert shared["rounds"] == reference["rounds"]
     assert any(o["cached_tokens"] > 0 for o in shared["rounds"][1])  # the radix cache hit
     check_shared_served(shared["log"], page_size)
     assert sizes(shared["log"])[0] == sizes(reference["log"])[0]
+    assert SLOT_KINDS_CHECKED in shared["log"]
+
+
+@pytest.mark.parametrize("fault,pairs,page_size", FAULTS, ids=[f"{f}-{p}pairs-page{q}" for f, p, q in FAULTS])
+def test_a_planted_kv_fault_changes_the_outputs(engine_runs, fault, pairs, page_size):
+    """The comparison above can fail: the same run with SWA-layer KV written one slot off,
+    or an SWA layer's view one layer off, gives other tokens than SGLang's allocator."""
+    faulty, reference = engine_runs[pairs, page_size, "shared", fault], engine_runs[pairs, page_size, "sglang", None]
+    differ = differing_tokens(faulty, reference)
+    print(f"{fault}, {pairs} pairs, page {page_size}: {differ} tokens differ from SGLang's allocator's")
+    assert differ > 0
+
+
+def test_torch_native_is_refused_at_start_up(tiny_model):
+    """SGLang's torch_native backend reads SWA layers' KV at full slots: in one slot space
+    they would read their paired full layers' KV. The engine does not start; one line says
+    why and what serves."""
+    out_dir = os.path.join(os.path.dirname(tiny_model), "shared-torch-native")
+    os.makedirs(out_dir, exist_ok=True)
+    env = pd_harness.node_env("shared", os.path.join(out_dir, "probe"))
+    proc, log, _, _ = run_script([os.path.join(HERE, "engine_run.py"), tiny_model, os.path.join(out_dir, "result.json"),
+                                  "16", str(DEFAULT_POOL[0]), DEFAULT_POOL[1], "torch_native"], env, out_dir,
+                                 os.path.join(out_dir, "lockstep.json"))
+    assert proc.returncode != 0 and not os.path.exists(os.path.join(out_dir, "result.json"))
+    refusals = {line[line.index("swa_ext: "):] for line in log.splitlines() if "swa_ext: SWA_EXT_SGLANG=shared serves" in line}
+    assert len(refusals) == 1, log[-6000:]
+    assert "not this one: attention backend torch_native (it reads SWA layers' KV at full slots; --attention-backend " \
+           "triton serves on the CPU)" in refusals.pop()
+    assert "Decode batch" not in log and "Prefill batch" not in log
 
 
 def run_capacity(model, mode):
@@ -92,8 +155,8 @@ def test_ngram_speculative_decoding_in_the_shared_mode(tiny_model):
     outputs and cached tokens of SGLang's allocator, and verifies that committed drafts.
     The verify counts themselves follow the batches (NGRAM drafts from every request's
     tokens so far), which the larger budget changes."""
-    run = lambda mode: run_spec_engine(tiny_model, None, "NGRAM", 4, 16, 1, mode)  # noqa: E731
-    reference, shared = run("sglang"), run("shared")
+    run = lambda mode, fault=None: run_spec_engine(tiny_model, None, "NGRAM", 4, 16, 1, mode, fault=fault)  # noqa: E731
+    reference, shared, faulty = run("sglang"), run("shared"), run("shared", "write_row_off")
     assert reference.rows is not None, f"SGLang's own run failed:\n{reference.log[-6000:]}"
     assert shared.rows is not None, f"the shared run failed:\n{shared.log[-6000:]}"
     for key in ("output_ids", "cached_tokens"):
@@ -101,3 +164,7 @@ def test_ngram_speculative_decoding_in_the_shared_mode(tiny_model):
     verifies = [(r["spec_verify_ct"], len(r["output_ids"])) for r in shared.rows]
     assert all(0 < v <= n for v, n in verifies) and any(v < n - 1 for v, n in verifies), verifies
     check_shared_served(shared.log, 16)
+    assert SLOT_KINDS_CHECKED in shared.log
+    # The comparison can fail: SWA-layer KV written one slot off gives other tokens.
+    assert faulty.rows is not None, f"the run with a planted fault failed:\n{faulty.log[-6000:]}"
+    assert [r["output_ids"] for r in faulty.rows] != [r["output_ids"] for r in reference.rows]

@@ -1,5 +1,5 @@
 """A PD decode node, and a prefill node + decode node pair over Mooncake, with the decode
-node on swa_ext's shared mode (SWA_EXT_SGLANG=1 SWA_EXT_SHARED=1): SGLang's decode path
+node on swa_ext's shared mode (SWA_EXT_SGLANG=shared): SGLang's decode path
 preallocates each request's prompt on the full side and its window tail on the SWA side
 from the one budget, and the prefill node's SWA layers send their window tails into
 slots whose storage the decode node's full layers share.
@@ -19,7 +19,7 @@ import pytest
 
 import pd_harness
 import test_pd_node
-from test_shared_engine import check_shared_served
+from test_shared_engine import SLOT_KINDS_CHECKED, check_shared_served
 
 try:
     import mooncake.engine  # noqa: F401
@@ -28,7 +28,8 @@ except ImportError as e:  # pragma: no cover - depends on the venv
     pytest.skip(f"the pair needs Mooncake's transfer engine and SGLang's router ({e}): run scripts/setup-sglang.sh",
                 allow_module_level=True)
 
-NODE_RUNS = [("page16", "sglang"), ("page16", "shared"), ("page16-tight", "shared")]
+NODE_RUNS = [("page16", "sglang", None), ("page16", "shared", None), ("page16-tight", "shared", None),
+             ("page16", "shared", "write_row_off")]
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +44,23 @@ def test_shared_decode_node_serves_sglangs_outputs_on_the_tail_path(node_runs):
     page comes back. (Its outputs are not compared: the fake transfer writes no KV, so a
     request that waits decodes over what its recycled slots last held.)"""
     for config in ("page16", "page16-tight"):
-        run = node_runs[config, "shared"]
+        run = node_runs[config, "shared", None]
         test_pd_node.check_run(run, "shared")  # the shared allocator served; every page free at the end
         test_pd_node.check_tail_path(run)
         check_shared_served(run["log"], 16)
         assert "out of memory" not in run["log"].lower()
-    assert node_runs["page16", "shared"]["outputs"] == node_runs["page16", "sglang"]["outputs"]
-    assert re.search(r"#prealloc-req: [1-9]", node_runs["page16-tight", "shared"]["log"]), "no preallocation waited"
+    assert node_runs["page16", "shared", None]["outputs"] == node_runs["page16", "sglang", None]["outputs"]
+    assert re.search(r"#prealloc-req: [1-9]", node_runs["page16-tight", "shared", None]["log"]), \
+        "no preallocation waited"
+    assert SLOT_KINDS_CHECKED in node_runs["page16", "shared", None]["log"]
+    # The comparison can fail: SWA-layer KV written one slot off gives other tokens.
+    assert node_runs["page16", "shared", "write_row_off"]["outputs"] != node_runs["page16", "sglang", None]["outputs"]
 
 
 @pytest.fixture(scope="module")
 def shared_pair_run(tiny_model):
+    """The pair with the decode node in the shared mode, then again with a KV fault planted
+    in the decode node (its SWA-layer writes one slot off), beside one engine's reference."""
     import test_pd_pair
 
     workdir = os.path.join(os.path.dirname(tiny_model), "pd-pair-shared")
@@ -67,17 +74,24 @@ def shared_pair_run(tiny_model):
             outputs = pair.generate(test_pd_pair.PROMPTS, test_pd_pair.NEW_TOKENS)
             calls = pd_harness.settled_allocator_calls(pair.decode_probe)
             logs = pair.logs()
+        faulty_dir = os.path.join(workdir, "write_row_off")
+        os.makedirs(faulty_dir, exist_ok=True)
+        with pd_harness.Pair(tiny_model, faulty_dir, "shared", test_pd_pair.PAGE_SIZE, test_pd_pair.MAX_TOTAL_TOKENS,
+                             decode_env={"SWA_EXT_TEST_KV_FAULT": "write_row_off"}) as pair:
+            faulty = pair.generate(test_pd_pair.PROMPTS, test_pd_pair.NEW_TOKENS)
         reference = test_pd_pair.reference_outputs(reference_process, reference_result)
     finally:
         reference_process.stop()
     print(f"shared pair: {time.monotonic() - start:.0f} s; decode allocator calls {calls} (before {before})")
-    return {"reference": reference, "outputs": outputs, "before": before, "calls": calls, "logs": logs,
-            "prompts": len(test_pd_pair.PROMPTS)}
+    return {"reference": reference, "outputs": outputs, "faulty": faulty, "before": before, "calls": calls,
+            "logs": logs, "prompts": len(test_pd_pair.PROMPTS)}
 
 
 def test_shared_decode_node_in_a_pair_gives_a_single_engines_outputs(shared_pair_run):
     run = shared_pair_run
     assert run["outputs"] == run["reference"]
+    assert run["faulty"] != run["reference"]  # the comparison can fail: a planted KV fault changes the outputs
+    assert SLOT_KINDS_CHECKED in run["logs"]["decode"]
     calls, before = run["calls"], run["before"]
     assert pd_harness.allocator_class(calls) == ("swa_ext", "SharedSWATokenToKVPoolAllocator"), calls["allocator"]
     check_shared_served(run["logs"]["decode"], 16)

@@ -22,7 +22,7 @@ import types
 import pytest
 
 from conftest import MODEL_CONFIG, STUBS
-from pd_harness import allocator_variables
+from pd_harness import KV_CHECK, allocator_variables
 from test_engine import queued, run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -109,37 +109,43 @@ def draft_model(tmp_path_factory):
     return path
 
 
-def engine_env(mode, interval, report):
+def engine_env(mode, interval, report, fault=None):
     env = dict(os.environ, SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
                SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", SGLANG_CHECK_KV_PAGE_INVARIANTS="1",
                TRITON_INTERPRET="1", SWA_EXT_LOCKSTEP_REPORT=report,
                SWA_EXT_SPEC_BRIDGES=",".join(BRIDGES),
-               PYTHONPATH=os.pathsep.join([STUBS, BRIDGES_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(
-                   os.pathsep) if p]))
-    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SGLANG_SWA_EVICTION_INTERVAL"):
+               PYTHONPATH=os.pathsep.join([STUBS, BRIDGES_DIR, KV_CHECK] + [
+                   p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SGLANG_SWA_EVICTION_INTERVAL", "SWA_EXT_DEBUG",
+                 "SWA_EXT_TEST_KV_FAULT"):
         env.pop(name, None)
     env.update(allocator_variables(mode))
+    if mode == "shared":
+        env["SWA_EXT_DEBUG"] = "1"  # each step checks that no slot holds two kinds of KV
+    if fault:
+        env["SWA_EXT_TEST_KV_FAULT"] = fault
     if interval is not None:
         env["SGLANG_SWA_EVICTION_INTERVAL"] = str(interval)
     return env
 
 
-def run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format="auto"):
+def run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format="auto", fault=None):
     """One engine run with every bridge: its results (None if it failed), log, lockstep counts, wall time.
     Run once a session for each set of arguments, however a caller spells them (test_faults.py
-    and test_shared_engine.py reuse this module's runs)."""
-    return _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format)
+    and test_shared_engine.py reuse this module's runs). ``fault`` plants a KV fault
+    (tests/sglang/kv_check)."""
+    return _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format, fault)
 
 
 @functools.lru_cache(maxsize=None)
-def _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format):
-    tag = f"{algorithm}-{draft_tokens}-{page_size}-{interval}-{mode}"
+def _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format, fault):
+    tag = f"{algorithm}-{draft_tokens}-{page_size}-{interval}-{mode}" + (f"-{fault}" if fault else "")
     out_dir = os.path.join(os.path.dirname(model), f"spec-run-{tag}")
     os.makedirs(out_dir, exist_ok=True)
     result, report = os.path.join(out_dir, "result.json"), os.path.join(out_dir, "lockstep.json")
     proc, log, counts, wall = run_script([os.path.join(HERE, "spec_engine_run.py"), model, draft or "-", result,
                                           algorithm, str(draft_tokens), str(page_size), str(TIGHT_POOL), load_format],
-                                         engine_env(mode, interval, report), out_dir, report)
+                                         engine_env(mode, interval, report, fault), out_dir, report)
     rows = None
     if proc.returncode == 0 and os.path.exists(result):
         with open(result) as f:

@@ -1,0 +1,68 @@
+"""A test-only SGLang plugin (tests/sglang/engine_harness.py puts this directory, with its
+dist-info, on an engine's PYTHONPATH; SGLang loads it in each of its processes).
+
+- ``SWA_EXT_TEST_DUMMY_WEIGHT_RANGE=R``: SGLang's dummy weights drawn from [-R, R] instead
+  of its [-1e-3, 1e-3], which leave a tiny model's greedy output blind to its KV cache
+  (a fault that scrambles every SWA write changed no token of a tiny gpt-oss).
+- ``SWA_EXT_TEST_KV_FAULT``: a planted fault in the shared mode's KV storage, so that a
+  test shows its comparison of outputs can fail:
+  ``write_row_off``: every SWA-layer KV write lands one slot further on;
+  ``view_layer_off``: SWA layer i's view is over full layer i + 1's buffers (the last
+  over the last), so two SWA layers write one buffer.
+"""
+import functools
+import os
+
+RANGE_VARIABLE = "SWA_EXT_TEST_DUMMY_WEIGHT_RANGE"
+FAULT_VARIABLE = "SWA_EXT_TEST_KV_FAULT"
+FAULTS = ("write_row_off", "view_layer_off")
+
+
+def _widen_dummy_weights(bound):
+    from sglang.srt.model_loader import loader, weight_utils
+
+    widened = functools.partial(weight_utils.initialize_dummy_weights, low=-bound, high=bound)
+    loader.initialize_dummy_weights = widened
+
+
+def _plant(fault):
+    import dataclasses
+
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    from swa_ext.sglang import shared_pool
+
+    if fault == "view_layer_off":
+        build_view = shared_pool.SharedSWAKVPool._swa_layers_view
+
+        def shifted_view(self, **kwargs):
+            view = build_view(self, **kwargs)
+            last = len(view.k_buffer) - 1
+            if last < 1:
+                raise RuntimeError(f"{FAULT_VARIABLE}=view_layer_off needs two SWA layers or more")
+            # A rotation of whole layers would still give each SWA layer a buffer of its own
+            # (harmless); one layer off, the last two SWA layers share the last buffer.
+            view.k_buffer = [view.k_buffer[min(i + 1, last)] for i in range(last + 1)]
+            view.v_buffer = [view.v_buffer[min(i + 1, last)] for i in range(last + 1)]
+            return view
+
+        shared_pool.SharedSWAKVPool._swa_layers_view = shifted_view
+    else:
+        def set_one_row_off(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
+            if self.layers_mapping[layer.layer_id][1]:
+                loc_info = dataclasses.replace(loc_info, swa_loc=loc_info.swa_loc + 1)
+            return SWAKVPool.set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs)
+
+        shared_pool.SharedSWAKVPool.set_kv_buffer = set_one_row_off
+
+
+def plugin():
+    bound = os.environ.get(RANGE_VARIABLE)
+    if bound:
+        _widen_dummy_weights(float(bound))
+    fault = os.environ.get(FAULT_VARIABLE)
+    if fault:
+        if fault not in FAULTS:
+            raise SystemExit(f"{FAULT_VARIABLE}: one of {FAULTS}, got {fault!r}")
+        _plant(fault)
