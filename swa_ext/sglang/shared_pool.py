@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.runtime_context import attention_backends, get_memory, get_parallel
@@ -59,6 +60,23 @@ def _layer_mix_reason(configurator):
     return None
 
 
+def _layer_kind_reason(configurator):
+    """Why the model's attention layers and SGLang's KV pool disagree on which layers are
+    sliding-window ones, or None. SGLang splits the pool by the architecture's layer list
+    (``get_hybrid_layer_ids``) while each attention layer reads through the full-to-SWA
+    mapping only if it has a window: a layer the pool keeps as an SWA layer but whose
+    attention has none reads its buffer at full slots, which in one slot space are its
+    paired full layer's KV (with two pools, stale SWA rows: the same wrong rows with either
+    allocator)."""
+    swa_layers = set(configurator.layer_info.swa_attention_layer_ids)
+    misread = sorted(layer.layer_id for layer in configurator.model.modules() if isinstance(layer, RadixAttention)
+                     and (layer.layer_id in swa_layers) != (layer.sliding_window_size > -1))
+    if misread:
+        return (f"layers {misread} are kept as SWA layers by SGLang's KV pool but attend without a window, or the "
+                f"reverse (check the model config's model_type and layer_types)")
+    return None
+
+
 def _attention_backend_reason():
     """Why the attention backends SGLang resolved cannot read one slot space, or None."""
     unserved = sorted({backend for backend in attention_backends() if backend not in MAPPED_READ_BACKENDS})
@@ -72,7 +90,7 @@ def refusal(configurator):
     """Why the shared mode cannot serve what this configurator builds, or None."""
     if configurator.spec_algorithm.is_speculative() and not configurator.spec_algorithm.is_ngram():
         return "a draft model's KV (speculative decoding other than NGRAM)"
-    reason = _attention_backend_reason()
+    reason = _attention_backend_reason() or _layer_kind_reason(configurator)
     if reason is not None:
         return reason
     if configurator.post_capture_kv_active:

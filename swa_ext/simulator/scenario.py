@@ -265,13 +265,13 @@ def unified_config(scenario: Scenario, interval: int | None = None) -> PolicyCon
 def shared_config(scenario: Scenario) -> PolicyConfig:
     """swa_ext's shared mode (``shared=True``): one slot space whose slot holds a full or an
     SWA token's KV, so a model whose full and SWA layers hold the same bytes per token
-    (gpt-oss, Gemma 2); the KV memory over those bytes, in whole pages (the full tokens
+    (gpt-oss); the KV memory over those bytes, in whole pages (the full tokens
     plus the SWA tokens a fixed split of the same memory has, give or take its rounding)."""
     m, ps = scenario.model, scenario.page_size
     if m.full_bytes_per_token != m.swa_bytes_per_token:
         raise SimulationError(
             f"the {SWA_EXT_SHARED!r} column needs a model whose full and SWA layers hold the same KV bytes per token "
-            f"(gpt-oss, Gemma 2): {m.name} has {m.full_layers} full and {m.swa_layers} SWA layers")
+            f"(gpt-oss): {m.name} has {m.full_layers} full and {m.swa_layers} SWA layers")
     slots = int(scenario.kv_memory_gib * GIB // m.full_bytes_per_token) // ps * ps
     return _checked(scenario, SWA_EXT_SHARED, PolicyConfig("tail", None, slots, slots, SWA_EXT_EVICTION_INTERVAL,
                                                            scenario.max_running_requests, SHARED))

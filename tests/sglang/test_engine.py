@@ -3,6 +3,7 @@
 ids and cached-token counts must be those of SGLang's allocator, with SGLang's strict
 memory and KV-page checks on. Each run is its own process (tests/sglang/engine_run.py),
 since the plugin and the checks are read at start-up."""
+import concurrent.futures
 import functools
 import json
 import os
@@ -24,12 +25,17 @@ DEFAULT_POOL = (8192, "default")  # (max_total_tokens, swa_full_tokens_ratio)
 TIGHT_POOL = (400, "1.0")
 
 
-@functools.lru_cache(maxsize=None)
 def run_engine(model, page_size, pool, mode, fault=None, workload="full"):
     """One engine run: its results, log, lockstep counts and wall time. ``fault`` plants a
     KV fault (tests/sglang/kv_check: ``SWA_EXT_TEST_KV_FAULT``) so that a test shows its
     comparison can fail. The shared mode runs with SWA_EXT_DEBUG=1: each step checks that
-    no slot holds two kinds of KV. ``workload``: engine_run.py's."""
+    no slot holds two kinds of KV. ``workload``: engine_run.py's. Run once a session for
+    each set of arguments, however a caller spells them."""
+    return _run_engine(model, page_size, pool, mode, fault, workload)
+
+
+@functools.lru_cache(maxsize=None)
+def _run_engine(model, page_size, pool, mode, fault, workload):
     out_dir = os.path.join(os.path.dirname(model), f"run-{page_size}-{pool[0]}-{mode}-{workload}" +
                            (f"-{fault}" if fault else ""))
     os.makedirs(out_dir, exist_ok=True)
@@ -72,6 +78,28 @@ def run_script(args, env, out_dir, report):
         with open(report) as f:
             counts = json.load(f)
     return proc, log, counts, wall
+
+
+def run_engines(runs):
+    """``run_engine`` on each argument tuple of ``runs``, two engines at a time (one a
+    core: an engine's scheduler runs on one): {arguments: result}."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {run: pool.submit(run_engine, *run) for run in runs}
+        return {run: future.result() for run, future in futures.items()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines_of_the_selected_tests(request, tiny_model):
+    """The engine runs the selected tests of this module read, started two at a time."""
+    runs = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if "page_size" in params:
+            modes = ("sglang", "lockstep") if item.originalname.startswith("test_lockstep") else ("sglang", "1")
+            runs |= {(tiny_model, params["page_size"], params["pool"], mode) for mode in modes}
+    run_engines(sorted(runs, key=lambda run: run[1]))  # page 1, the longest, first
 
 
 def swa_ext_lines(log):

@@ -9,6 +9,7 @@ import torch
 from sglang.srt.mem_cache import kv_cache_configurator
 from sglang.srt.mem_cache.allocator import swa as sglang_swa
 from sglang.srt.mem_cache.prefill_budget import SharedSWAPrefillBudget
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 import swa_ext
@@ -179,14 +180,26 @@ def test_a_decode_nodes_clip_charges_the_swa_side_for_the_window_tail_only(monke
 # --- sizing, storage, refusals, the switch ----------------------------------------------
 
 
-def configurator(full_layers=1, swa_layers=1, swa_heads=1, algorithm="NONE", hybrid=True):
+def attention_layer(layer_id, sliding_window_size):
+    """A model's attention layer as the shared mode reads it: its id and window (-1: none)."""
+    layer = RadixAttention.__new__(RadixAttention)
+    torch.nn.Module.__init__(layer)
+    layer.layer_id, layer.sliding_window_size = layer_id, sliding_window_size
+    return layer
+
+
+def configurator(full_layers=1, swa_layers=1, swa_heads=1, algorithm="NONE", hybrid=True, windowless=()):
+    """SGLang's KV cache configurator as the shared mode reads it: full layers first, then
+    SWA layers, whose attention has a window of 63 tokens unless its id is in ``windowless``."""
     spec = types.SimpleNamespace(is_speculative=lambda: algorithm != "NONE", is_ngram=lambda: algorithm == "NGRAM")
-    model = types.SimpleNamespace(get_num_kv_heads=lambda tp: 1, get_swa_num_kv_heads=lambda tp: swa_heads,
-                                  head_dim=32, v_head_dim=32, swa_head_dim=32, swa_v_head_dim=32)
+    config = types.SimpleNamespace(get_num_kv_heads=lambda tp: 1, get_swa_num_kv_heads=lambda tp: swa_heads,
+                                   head_dim=32, v_head_dim=32, swa_head_dim=32, swa_v_head_dim=32)
     layers = types.SimpleNamespace(full_attention_layer_ids=list(range(full_layers)),
                                    swa_attention_layer_ids=list(range(full_layers, full_layers + swa_layers)))
-    return types.SimpleNamespace(is_hybrid_swa=hybrid, is_draft_worker=False, layer_info=layers, model_config=model,
-                                 spec_algorithm=spec, post_capture_kv_active=False, use_mla_backend=False,
+    model = torch.nn.ModuleList([attention_layer(i, -1 if i < full_layers or i in windowless else 63)
+                                 for i in range(full_layers + swa_layers)])
+    return types.SimpleNamespace(is_hybrid_swa=hybrid, is_draft_worker=False, layer_info=layers, model_config=config,
+                                 model=model, spec_algorithm=spec, post_capture_kv_active=False, use_mla_backend=False,
                                  is_hybrid_swa_compress=False)
 
 
@@ -214,6 +227,10 @@ def test_one_slot_count_in_the_bytes_of_sglangs_two_pools(runtime):
     (dict(full_layers=1, swa_layers=5), "5 SWA layers to 1 full layers"),
     (dict(swa_heads=2), "KV heads and head dims (K, V) (2, 32, 32) on the SWA layers, (1, 32, 32) on the full"),
     (dict(algorithm="EAGLE"), "a draft model's KV"),
+    # An architecture SGLang builds hybrid (GraniteSWAForCausalLM) with a config whose
+    # attention has no window (model_type granite): its SWA layers would read full slots.
+    (dict(full_layers=2, swa_layers=2, windowless=(2, 3)), "layers [2, 3] are kept as SWA layers by SGLang's KV "
+                                                           "pool but attend without a window"),
 ])
 def test_what_the_shared_mode_cannot_serve_is_one_line_naming_what_it_serves(runtime, kwargs, why):
     check_refused_in_one_line(kwargs, why)
