@@ -18,7 +18,14 @@ import os
 from . import sglang_seams
 
 MODE_VARIABLE = "SWA_EXT_SGLANG"
-MODES = ("1", "all", "lockstep", "shared")
+# Each value of the switch, and what swa_ext then serves (docs/sglang.md).
+MODES_SERVE = {
+    "1": "swa_ext's hybrid SWA allocator for SWA models (SGLang's own pools for other models)",
+    "all": "swa_ext's hybrid SWA allocator and its page and token pools for other models",
+    "lockstep": "as all, with SGLang's own allocator shadowing every call (a debugging mode)",
+    "shared": "swa_ext's shared mode: one budget of pages for full and SWA KV",
+}
+MODES = tuple(MODES_SERVE)
 # The shared mode's switch before it became a value of SWA_EXT_SGLANG: set, it is refused
 # with the spelling that replaces it rather than ignored.
 RETIRED_SHARED_VARIABLE = "SWA_EXT_SHARED"
@@ -86,18 +93,27 @@ def refusal(environ=os.environ):
     return None
 
 
+def checked_mode(environ=os.environ):
+    """The mode swa_ext serves in an SGLang process started in ``environ`` (None: nothing
+    is asked), or SystemExit with the one line that says why it cannot."""
+    mode = mode_from_environment(environ)
+    if mode is None:
+        return None
+    why = refusal(environ)
+    if why is not None:
+        raise SystemExit(f"swa_ext: {MODE_VARIABLE}={mode} cannot serve: {why}")
+    return mode
+
+
 def _one_line(error):
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def plugin():
     """Installs swa_ext's allocators in this SGLang process as SWA_EXT_SGLANG says."""
-    mode = mode_from_environment()
+    mode = checked_mode()
     if mode is None:
         return
-    why = refusal()
-    if why is not None:
-        raise SystemExit(f"swa_ext: {MODE_VARIABLE}={mode} cannot serve: {why}")
     try:
         from . import sglang
 

@@ -201,11 +201,11 @@ def _why_moved(module, path, params):
     return None if got == params else f"parameters ({got}), expected ({params})"
 
 
-def moved(seams=SEAMS):
-    """Each seam that moved, with why: [(\"module:path\", why)], empty when all are where
+def moved():
+    """Each seam that moved, with why: [("module:path", why)], empty when all are where
     swa_ext expects them."""
     found = []
-    for module, path, params in seams:
+    for module, path, params in SEAMS:
         why = _why_moved(module, path, params)
         if why is not None:
             found.append((f"{module}:{path}", why))
