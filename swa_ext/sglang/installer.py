@@ -187,11 +187,11 @@ def _patch(single_pool, lockstep, evict_hook, shared):
         stand_ins["SWAKVPool"] = SharedSWAKVPool
     if single_pool:
         stand_ins["PagedTokenToKVPoolAllocator"] = _stand_in(sglang_paged.PagedTokenToKVPoolAllocator, _pool_builder(
-            PagedTokenToKVPoolAllocator, lockstep and LockstepPagedTokenToKVPoolAllocator,
+            PagedTokenToKVPoolAllocator, LockstepPagedTokenToKVPoolAllocator if lockstep else None,
             sglang_paged.PagedTokenToKVPoolAllocator, mode))
         stand_ins["TokenToKVPoolAllocator"] = _stand_in(sglang_token.TokenToKVPoolAllocator, _pool_builder(
-            TokenToKVPoolAllocator, lockstep and LockstepTokenToKVPoolAllocator, sglang_token.TokenToKVPoolAllocator,
-            mode))
+            TokenToKVPoolAllocator, LockstepTokenToKVPoolAllocator if lockstep else None,
+            sglang_token.TokenToKVPoolAllocator, mode))
     for name, stand_in in stand_ins.items():
         _originals[name] = getattr(kv_cache_configurator, name)
         setattr(kv_cache_configurator, name, stand_in)

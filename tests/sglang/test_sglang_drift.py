@@ -5,18 +5,20 @@ and the seam list (swa_ext.sglang_seams) holds every SGLang symbol swa_ext reach
 import ast
 import importlib.util
 import inspect
+import logging
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 from sglang.srt.managers import schedule_batch
 from sglang.srt.mem_cache import kv_cache_configurator
 
 import swa_ext
 import swa_ext.sglang as adapter
-from conftest import STUBS
+from conftest import STUBS, RecordingSWAKVCache
 from swa_ext import cli, sglang_plugin, sglang_seams
 from swa_ext.sglang import hooks, installer, lockstep, shared, shared_pool
 
@@ -328,6 +330,29 @@ def test_a_successful_install_is_undone_by_uninstall(environment):
     assert patched_state() != before
     adapter.uninstall()
     assert patched_state() == before
+
+
+# --- what serves ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,build,says", [
+    ("1", lambda: kv_cache_configurator.SWATokenToKVPoolAllocator(256, 128, 16, torch.float16, "cpu",
+                                                                   RecordingSWAKVCache(), False),
+     "SWATokenToKVPoolAllocator serves a full pool of 256 tokens and an SWA pool of 128 tokens (kernels cpu), "
+     "page size 16, on cpu (SWA_EXT_SGLANG=1, SGLang 0.5.23)"),
+    ("shared", lambda: kv_cache_configurator.SWATokenToKVPoolAllocator(256, 256, 16, torch.float16, "cpu",
+                                                                        RecordingSWAKVCache(), False),
+     "SharedSWATokenToKVPoolAllocator serves one budget of 256 tokens for full and SWA pages, shared mode "
+     "(kernels cpu), page size 16, on cpu (SWA_EXT_SGLANG=shared, SGLang 0.5.23)"),
+    ("all", lambda: kv_cache_configurator.PagedTokenToKVPoolAllocator(256, 16, torch.float16, "cpu", None, False),
+     "PagedTokenToKVPoolAllocator serves one pool of 256 tokens, page size 16, on cpu (SWA_EXT_SGLANG=all, "
+     "SGLang 0.5.23)"),
+], ids=["1", "shared", "all"])
+def test_the_served_line_names_mode_allocator_pools_page_size_and_sglang(environment, caplog, mode, build, says):
+    environment.setenv("SWA_EXT_SGLANG", mode)
+    sglang_plugin.plugin()
+    with caplog.at_level(logging.INFO, logger="swa_ext.sglang"):
+        build()
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("swa_ext:")] == [f"swa_ext: {says}"]
 
 
 # --- swa-ext sglang-check ---------------------------------------------------------------
