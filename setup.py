@@ -56,6 +56,8 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VERSION = runpy.run_path(os.path.join(ROOT, "swa_ext", "_version.py"))["__version__"]
+# The one SGLang release swa_ext's plugin serves (it refuses others at start-up).
+SGLANG_VERSION = runpy.run_path(os.path.join(ROOT, "swa_ext", "sglang_seams.py"))["SUPPORTED_VERSION"]
 
 
 def want_cuda():
@@ -132,8 +134,9 @@ setup(
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=" + ".".join(map(str, MIN_PYTHON)),
     install_requires=[torch_requirement()],
-    # swa-ext simulate's progress bars and plots (swa_ext.simulator.EXTRA_MODULES).
-    extras_require={"sim": ["numpy", "tqdm", "matplotlib"]},
+    # swa-ext simulate's progress bars and plots (swa_ext.simulator.EXTRA_MODULES); the
+    # SGLang the plugin serves.
+    extras_require={"sim": ["numpy", "tqdm", "matplotlib"], "sglang": [f"sglang=={SGLANG_VERSION}"]},
     entry_points={
         "console_scripts": ["swa-ext = swa_ext.cli:main"],
         # SGLang loads it in each of its processes; it acts only when SWA_EXT_SGLANG is set.

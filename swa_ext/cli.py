@@ -1,6 +1,7 @@
-"""The ``swa-ext`` command: ``simulate`` (a decode node replaying a request trace)
-and ``bench`` (allocator micro-benchmarks, found at run time as the ``swa_ext.commands``
-entry point that the bench package of a checkout installs)."""
+"""The ``swa-ext`` command: ``simulate`` (a decode node replaying a request trace),
+``bench`` (allocator micro-benchmarks, found at run time as the ``swa_ext.commands``
+entry point that the bench package of a checkout installs) and ``sglang-check``
+(whether swa_ext would serve in SGLang from this environment)."""
 
 from __future__ import annotations
 
@@ -259,7 +260,39 @@ def bench_main(argv: list[str]) -> int:
     return bench(argv) or 0
 
 
-COMMANDS = {"simulate": simulate_main, "bench": bench_main}
+def _sglang_check_parser() -> argparse.ArgumentParser:
+    return _Parser(prog=f"{PROG} sglang-check",
+                   description="Say, without starting a server, whether swa_ext would serve in an SGLang process "
+                   "started from this environment: the SGLang found, each seam of SGLang's that swa_ext patches or "
+                   "calls, and what the current SWA_EXT_SGLANG serves. Exit status 0 only when it would serve.")
+
+
+def sglang_check_main(argv: list[str]) -> int:
+    _sglang_check_parser().parse_args(argv)
+    from swa_ext import sglang_plugin, sglang_seams
+
+    _started()
+    found = sglang_seams.installed_version()
+    print(f"SGLang: {found or 'not installed'} (swa_ext supports {sglang_seams.SUPPORTED_VERSION})")
+    if found is not None:
+        moved = dict(sglang_seams.moved())
+        print(f"seams: {len(sglang_seams.SEAMS) - len(moved)} of {len(sglang_seams.SEAMS)} where swa_ext expects them")
+        for module, path, _ in sglang_seams.SEAMS:
+            seam = f"{module}:{path}"
+            print(f"  {'moved' if seam in moved else 'ok':5}  {seam}" + (f": {moved[seam]}" if seam in moved else ""))
+    try:
+        mode = sglang_plugin.checked_mode()
+    except SystemExit as refused:
+        print(refused)
+        return 1
+    if mode is None:
+        print(f"{sglang_plugin.MODE_VARIABLE} is unset: swa_ext serves nothing, SGLang's own allocators serve")
+        return 1
+    print(f"{sglang_plugin.MODE_VARIABLE}={mode} serves {sglang_plugin.MODES_SERVE[mode]}")
+    return 0
+
+
+COMMANDS = {"simulate": simulate_main, "bench": bench_main, "sglang-check": sglang_check_main}
 
 
 def run_command(command, argv: list[str]) -> int:
@@ -293,7 +326,8 @@ def _chosen(args: list[str]) -> int:
         top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
         top.add_argument("command", choices=sorted(COMMANDS),
                          help="simulate: replay a trace on a simulated decode node; "
-                         "bench: allocator micro-benchmarks")
+                         "bench: allocator micro-benchmarks; "
+                         "sglang-check: whether swa_ext would serve in SGLang from this environment")
         top.parse_args(args[:1])
     return COMMANDS[args[0]](args[1:])
 

@@ -315,3 +315,22 @@ def test_simulate_without_the_sim_extra_is_one_line(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == "swa-ext simulate: error: the simulator needs tqdm: pip install 'swa_ext[sim]'\n"
+
+
+def test_sglang_check_bad_option_is_one_line_exit_2(capsys):
+    assert cli.main(["sglang-check", "--serve"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == "swa-ext sglang-check: error: unrecognized arguments: --serve"
+
+
+def test_sglang_check_without_sglang_says_so_exit_1(monkeypatch, capsys):
+    """Where SGLang is not installed (tests/sglang checks it where it is)."""
+    from swa_ext import sglang_seams
+
+    monkeypatch.setattr(sglang_seams, "installed_version", lambda: None)
+    monkeypatch.delenv("SWA_EXT_SGLANG", raising=False)
+    monkeypatch.delenv("SWA_EXT_SHARED", raising=False)
+    assert cli.main(["sglang-check"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"SGLang: not installed (swa_ext supports {sglang_seams.SUPPORTED_VERSION})",
+        "SWA_EXT_SGLANG is unset: swa_ext serves nothing, SGLang's own allocators serve"]

@@ -149,10 +149,11 @@ def test_isolated_wheel_builds_against_the_installed_torch(source, tmp_path):
     assert meta["Description-Content-Type"] == "text/markdown"
     assert meta.get_payload().strip() == (ROOT / "README.md").read_text(encoding="utf-8").strip()
     requires = meta.get_all("Requires-Dist")
-    assert f"torch=={TORCH_RELEASE}" in requires and meta.get_all("Provides-Extra") == ["sim"]
-    # Nothing but torch without the extra.
+    assert f"torch=={TORCH_RELEASE}" in requires and meta.get_all("Provides-Extra") == ["sim", "sglang"]
+    # Nothing but torch without the extras; swa_ext[sglang] is the one SGLang the plugin serves.
     assert [r for r in requires if "extra ==" not in r] == [f"torch=={TORCH_RELEASE}"], requires
-    assert sorted(r.split(";")[0].strip() for r in requires if "extra ==" in r) == ["matplotlib", "numpy", "tqdm"]
+    assert sorted(r.split(";")[0].strip() for r in requires if "extra ==" in r) == [
+        "matplotlib", "numpy", "sglang==0.5.23", "tqdm"]
     assert meta["Requires-Python"] == ">=3.10"
     assert any(n.startswith("swa_ext/_C") and n.endswith(".so") for n in names)
     assert "swa_ext/data/swa_model_configs.json" in names
@@ -165,7 +166,7 @@ def test_isolated_wheel_builds_against_the_installed_torch(source, tmp_path):
         assert f"swa_ext/data/{data.name}" in names, data.name
     for part in ("__init__", "adapters", "lockstep", "installer", "hooks"):
         assert f"swa_ext/sglang/{part}.py" in names, part
-    assert "swa_ext/sglang_plugin.py" in names
+    assert "swa_ext/sglang_plugin.py" in names and "swa_ext/sglang_seams.py" in names
     # SGLang finds the plugin through this entry point (README: "Using swa_ext in SGLang").
     assert "[sglang.srt.plugins]\nswa_ext = swa_ext.sglang_plugin:plugin" in entry_points
 

@@ -29,7 +29,9 @@ allocators. SGLang loads ``swa_ext.sglang_plugin.plugin`` (entry point group
   for full and SWA KV; a configuration it cannot serve is refused at start-up in one line.
 
 Any other value (or the retired ``SWA_EXT_SHARED``) ends the process at start-up with one
-``swa_ext:`` line (swa_ext.sglang_plugin).
+``swa_ext:`` line (swa_ext.sglang_plugin), as does an unknown ``SWA_EXT_`` variable, an
+SGLang other than the supported one or a seam of SGLang's that moved
+(swa_ext.sglang_seams).
 
 Where swa_ext cannot serve a configuration (the per-request SWA ring, a device other
 than cpu/cuda, a platform's own paged allocator such as the NPU's, cuda with a CPU-only

@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.allocator import token as sglang_token
 from sglang.srt.platforms import current_platform
 from sglang.srt.utils import is_npu
 
-from .. import _C
+from .. import _C, sglang_seams
 from . import hooks
 from .adapters import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 from .lockstep import (LockstepPagedTokenToKVPoolAllocator, LockstepSWATokenToKVPoolAllocator,
@@ -41,13 +41,13 @@ def _reason_not_served(device, page_size):
     return None
 
 
-def _serve(sglang_class, build, reason, args, kwargs, pools):
+def _serve(sglang_class, build, reason, args, kwargs, pools, mode):
     if reason is not None:
         logger.warning("swa_ext: SGLang's own %s serves: %s", sglang_class.__name__, reason)
         return sglang_class(*args, **kwargs)
     alloc = build(*args, **kwargs)
-    logger.info("swa_ext: %s serves %s, page size %d, on %s", type(alloc).__name__, pools(alloc), alloc.page_size,
-                alloc.device)
+    logger.info("swa_ext: %s serves %s, page size %d, on %s (SWA_EXT_SGLANG=%s, SGLang %s)", type(alloc).__name__,
+                pools(alloc), alloc.page_size, alloc.device, mode, sglang_seams.installed_version())
     return alloc
 
 
@@ -71,7 +71,7 @@ def _stand_in(sglang_class, build):
                                                 "__doc__": _StandIn.__doc__})
 
 
-def _swa_builder(lockstep, shared):
+def _swa_builder(lockstep, shared, mode):
     hybrid = LockstepSWATokenToKVPoolAllocator if lockstep else SWATokenToKVPoolAllocator
     if shared:
         hybrid = SharedSWATokenToKVPoolAllocator
@@ -86,15 +86,15 @@ def _swa_builder(lockstep, shared):
         if shared:
             return _serve(sglang_swa.SWATokenToKVPoolAllocator, hybrid, None, args, {},
                           lambda a: f"one budget of {a.size} tokens for full and SWA pages, shared mode "
-                                    f"(kernels {a.kernels})")
+                                    f"(kernels {a.kernels})", mode)
         return _serve(sglang_swa.SWATokenToKVPoolAllocator, hybrid, reason, args, {},
                       lambda a: f"a full pool of {a.size_full} tokens and an SWA pool of {a.size_swa} tokens "
-                                f"(kernels {a.kernels})")
+                                f"(kernels {a.kernels})", mode)
 
     return build
 
 
-def _pool_builder(pool_class, lockstep_class, sglang_class):
+def _pool_builder(pool_class, lockstep_class, sglang_class, mode):
     signature = inspect.signature(sglang_class.__init__)
 
     def make(*args, **kwargs):
@@ -105,7 +105,7 @@ def _pool_builder(pool_class, lockstep_class, sglang_class):
     def build(*args, **kwargs):
         given = signature.bind(None, *args, **kwargs).arguments
         reason = _reason_not_served(given["device"], given.get("page_size", 1))
-        return _serve(sglang_class, make, reason, args, kwargs, lambda a: f"one pool of {a.size} tokens")
+        return _serve(sglang_class, make, reason, args, kwargs, lambda a: f"one pool of {a.size} tokens", mode)
 
     return build
 
@@ -149,6 +149,11 @@ _STOOD_IN = (sglang_swa.SWATokenToKVPoolAllocator, sglang_paged.PagedTokenToKVPo
              sglang_token.TokenToKVPoolAllocator)
 
 
+def _mode(single_pool, lockstep, shared):
+    """The SWA_EXT_SGLANG value that asks for this installation."""
+    return "shared" if shared else "lockstep" if lockstep else "all" if single_pool else "1"
+
+
 def install(*, single_pool=False, lockstep=False, evict_hook=True, shared=False):
     """Makes SGLang build swa_ext's allocators in this process: the hybrid SWA allocator,
     and with ``single_pool`` also the page and token pools of non-SWA models. With
@@ -158,24 +163,35 @@ def install(*, single_pool=False, lockstep=False, evict_hook=True, shared=False)
     and SWA pages: shared.py), in a KV pool whose SWA layers share the full layers'
     storage, sized from SGLang's two pools at the same bytes (shared_pool.py); SGLang's
     allocator cannot shadow it, so not with ``lockstep``. Calling it again replaces the
-    previous installation."""
+    previous installation. All or nothing: where a step fails, what was patched before it
+    is restored and the error raised."""
     if shared and lockstep:
         raise ValueError("swa_ext: the shared mode has no lockstep (SGLang's allocator keeps two pools)")
     uninstall()
+    try:
+        _patch(single_pool, lockstep, evict_hook, shared)
+    except BaseException:
+        uninstall()
+        raise
+
+
+def _patch(single_pool, lockstep, evict_hook, shared):
+    mode = _mode(single_pool, lockstep, shared)
     kv_cache_configurator.KVCacheConfigurator._init_pools = _init_pools
     if evict_hook:
         hooks.install(check_slot_kinds_each_step=shared and os.environ.get("SWA_EXT_DEBUG", "") == "1")
     stand_ins = {"SWATokenToKVPoolAllocator": _stand_in(sglang_swa.SWATokenToKVPoolAllocator,
-                                                        _swa_builder(lockstep, shared))}
+                                                        _swa_builder(lockstep, shared, mode))}
     if shared:
         kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config = _resolve_memory_pool_config
         stand_ins["SWAKVPool"] = SharedSWAKVPool
     if single_pool:
         stand_ins["PagedTokenToKVPoolAllocator"] = _stand_in(sglang_paged.PagedTokenToKVPoolAllocator, _pool_builder(
-            PagedTokenToKVPoolAllocator, lockstep and LockstepPagedTokenToKVPoolAllocator,
-            sglang_paged.PagedTokenToKVPoolAllocator))
+            PagedTokenToKVPoolAllocator, LockstepPagedTokenToKVPoolAllocator if lockstep else None,
+            sglang_paged.PagedTokenToKVPoolAllocator, mode))
         stand_ins["TokenToKVPoolAllocator"] = _stand_in(sglang_token.TokenToKVPoolAllocator, _pool_builder(
-            TokenToKVPoolAllocator, lockstep and LockstepTokenToKVPoolAllocator, sglang_token.TokenToKVPoolAllocator))
+            TokenToKVPoolAllocator, LockstepTokenToKVPoolAllocator if lockstep else None,
+            sglang_token.TokenToKVPoolAllocator, mode))
     for name, stand_in in stand_ins.items():
         _originals[name] = getattr(kv_cache_configurator, name)
         setattr(kv_cache_configurator, name, stand_in)

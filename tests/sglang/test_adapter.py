@@ -158,7 +158,7 @@ def test_install_rebinds_the_configurators_names_and_uninstall_restores_them(cle
     assert type(alloc) is adapter.SWATokenToKVPoolAllocator
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("swa_ext:")] == [
         "swa_ext: SWATokenToKVPoolAllocator serves a full pool of 256 tokens and an SWA pool of 128 tokens "
-        "(kernels cpu), page size 16, on cpu"]
+        "(kernels cpu), page size 16, on cpu (SWA_EXT_SGLANG=1, SGLang 0.5.23)"]
     # isinstance in the configurator answers as for SGLang's class, swa_ext's or not.
     sglangs = sglang_swa.SWATokenToKVPoolAllocator(256, 128, 16, torch.float16, "cpu", RecordingSWAKVCache(), False)
     assert isinstance(alloc, stand_in) and isinstance(sglangs, stand_in) and not isinstance(object(), stand_in)
