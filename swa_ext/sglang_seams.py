@@ -113,6 +113,9 @@ SEAMS = (
      "enable_memory_saver, kwargs"),
     ("sglang.srt.mem_cache.swa_memory_pool", "SWAKVPool.get_kv_size_bytes", "self"),
     ("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool._create_buffers_normal", "self"),
+    # shared_pool.py: each attention layer's id and window, against the pool's layer split.
+    *(("sglang.srt.layers.radix_attention", f"RadixAttention().{name}", None)
+      for name in ("layer_id", "sliding_window_size")),
     # hooks.py and the native eviction (csrc/sglang): the scheduler's per-step eviction,
     # the requests' and their KV states' fields it reads, the tree cache it asks.
     (_BATCH, "ScheduleBatch.maybe_evict_swa", "self"),
