@@ -10,7 +10,8 @@ would leave SGLang serving on its own allocator with the cause somewhere in a lo
 So whatever keeps swa_ext from serving what the switch asks ends the process here, before
 anything of SGLang's is patched: ``SystemExit`` with one line that begins ``swa_ext:``,
 names the cause and what to do. The causes: a value that is not a mode, an ``SWA_EXT_``
-variable swa_ext does not know (a misspelt setting), an SGLang other than the supported
+variable swa_ext does not know (a misspelt setting, or a misspelt switch: this one is
+refused with the switch unset too), an SGLang other than the supported
 one, a seam of SGLang's that moved (swa_ext.sglang_seams), an install that failed.
 """
 import os
@@ -67,15 +68,17 @@ def mode_from_environment(environ=os.environ):
     if RETIRED_SHARED_VARIABLE in environ:
         raise SystemExit(f"swa_ext: {RETIRED_SHARED_VARIABLE} is gone: the shared mode is {MODE_VARIABLE}=shared "
                          f"(unset {RETIRED_SHARED_VARIABLE}; {MODE_VARIABLE} is {mode or 'unset'} now)")
+    # Checked with the switch unset too: a typo in the switch's own name would otherwise
+    # leave SGLang on its own allocators without a word. An environment scan, no import.
+    unknown = sorted(name for name in environ if name.startswith(PREFIX) and name not in KNOWN_VARIABLES)
+    if unknown:
+        raise SystemExit(f"swa_ext: {', '.join(unknown)}: no such swa_ext setting (misspelt?): unset it; swa_ext "
+                         f"reads {', '.join(sorted(VARIABLES))}")
     if mode in ("", "0"):
         return None
     if mode not in MODES:
         raise SystemExit(f"swa_ext: {MODE_VARIABLE}={mode!r} is not a mode: set it to one of {', '.join(MODES)} "
                          f"(or unset it, or 0, for SGLang's own allocators)")
-    unknown = sorted(name for name in environ if name.startswith(PREFIX) and name not in KNOWN_VARIABLES)
-    if unknown:
-        raise SystemExit(f"swa_ext: {', '.join(unknown)}: no such swa_ext setting (misspelt?): unset it; swa_ext "
-                         f"reads {', '.join(sorted(VARIABLES))}")
     return mode
 
 

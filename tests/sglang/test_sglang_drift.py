@@ -65,15 +65,16 @@ def test_a_bad_value_is_refused(environment, value):
     assert f"SWA_EXT_SGLANG={value!r} is not a mode" in refused()
 
 
-def test_an_unknown_swa_ext_variable_is_refused_while_the_switch_is_set(environment):
+@pytest.mark.parametrize("switch", [None, "1", "shared"])
+def test_an_unknown_swa_ext_variable_is_refused(environment, switch):
+    """A misspelt setting, and a misspelt switch (the switch itself then unset)."""
     environment.setenv("SWA_EXT_DEBGU", "1")
-    environment.setenv("SWA_EXT_LOCKSTEP_REPOR", "/tmp/x")
-    sglang_plugin.plugin()  # the switch unset: nothing is read, nothing installed
-    assert adapter.installed() == []
-    environment.setenv("SWA_EXT_SGLANG", "1")
+    environment.setenv("SWA_EXT_SGLAN", "1")
+    if switch:
+        environment.setenv("SWA_EXT_SGLANG", switch)
     message = refused()
-    assert "SWA_EXT_DEBGU, SWA_EXT_LOCKSTEP_REPOR: no such swa_ext setting" in message
-    assert "SWA_EXT_DEBUG" in message  # the settings there are
+    assert "SWA_EXT_DEBGU, SWA_EXT_SGLAN: no such swa_ext setting" in message
+    assert "SWA_EXT_DEBUG" in message and "SWA_EXT_SGLANG" in message  # the settings there are
 
 
 def test_known_variables_pass(environment):
