@@ -80,12 +80,17 @@ def run_script(args, env, out_dir, report):
     return proc, log, counts, wall
 
 
-def run_engines(runs):
-    """``run_engine`` on each argument tuple of ``runs``, two engines at a time (one a
-    core: an engine's scheduler runs on one): {arguments: result}."""
+def two_at_a_time(run, argument_tuples):
+    """``run`` on each argument tuple, two engines at a time (one a core: an engine's
+    scheduler runs on one): {arguments: result}."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {run: pool.submit(run_engine, *run) for run in runs}
-        return {run: future.result() for run, future in futures.items()}
+        futures = {arguments: pool.submit(run, *arguments) for arguments in argument_tuples}
+        return {arguments: future.result() for arguments, future in futures.items()}
+
+
+def run_engines(runs):
+    """``run_engine`` on each argument tuple of ``runs``, two at a time."""
+    return two_at_a_time(run_engine, runs)
 
 
 @pytest.fixture(scope="module", autouse=True)

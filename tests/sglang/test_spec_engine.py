@@ -23,7 +23,7 @@ import pytest
 
 from conftest import MODEL_CONFIG, STUBS
 from pd_harness import KV_CHECK, allocator_variables
-from test_engine import queued, run_script
+from test_engine import queued, run_script, two_at_a_time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BRIDGES_DIR = os.path.join(HERE, "spec_bridges")
@@ -162,18 +162,38 @@ CONFIGS = [("granite", "NGRAM", 4, 16, 1, True), ("granite", "NGRAM", 8, 1, DEFA
            ("gpt-oss", "EAGLE3", 3, 16, 1, False)]
 
 
+def run_arguments(model, algorithm, draft_tokens, page_size, interval, tiny_model, draft_model, gpt_oss_models):
+    """run_spec_engine's arguments for one of CONFIGS, but its mode."""
+    if model == "gpt-oss":
+        (target, draft), load_format = gpt_oss_models, "dummy"
+    else:
+        target, draft, load_format = tiny_model, draft_model if algorithm == "STANDALONE" else None, "auto"
+    return target, draft, algorithm, draft_tokens, page_size, interval, load_format
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines_of_the_selected_tests(request, tiny_model, draft_model, gpt_oss_models):
+    """The engine runs the selected tests of this module read, started two at a time."""
+    runs = []
+    for item in request.session.items:
+        if item.module is request.module and item.originalname == "test_speculative_engine_in_lockstep_is_sglangs":
+            config = (item.callspec.params[name] for name in ("model", "algorithm", "draft_tokens", "page_size",
+                                                               "interval"))
+            *arguments, load_format = run_arguments(*config, tiny_model, draft_model, gpt_oss_models)
+            modes = ("lockstep", "sglang") if item.callspec.params["alone"] else ("lockstep",)
+            runs += [(*arguments, mode, load_format) for mode in modes]
+    two_at_a_time(run_spec_engine, runs)
+
+
 @pytest.mark.parametrize("model,algorithm,draft_tokens,page_size,interval,alone", CONFIGS,
                          ids=[f"{m}-{a}-{d}-page{p}-interval{i or 'default'}" for m, a, d, p, i, _ in CONFIGS])
 def test_speculative_engine_in_lockstep_is_sglangs(tiny_model, draft_model, gpt_oss_models, model, algorithm,
                                                    draft_tokens, page_size, interval, alone):
     """Lockstep compares every allocator call with SGLang's allocator (a difference stops the
     scheduler); where SGLang's allocator also runs alone, the outputs are its outputs."""
-    if model == "gpt-oss":
-        (target, draft), load_format = gpt_oss_models, "dummy"
-    else:
-        target, draft, load_format = tiny_model, draft_model if algorithm == "STANDALONE" else None, "auto"
-    run = functools.partial(run_spec_engine, target, draft, algorithm, draft_tokens, page_size, interval,
-                            load_format=load_format)
+    *arguments, load_format = run_arguments(model, algorithm, draft_tokens, page_size, interval, tiny_model,
+                                            draft_model, gpt_oss_models)
+    run = functools.partial(run_spec_engine, *arguments, load_format=load_format)
     lockstep = run("lockstep")
     assert lockstep.rows is not None, f"the lockstep run failed:\n{lockstep.log[-6000:]}"
     assert "LockstepDivergence" not in lockstep.log
