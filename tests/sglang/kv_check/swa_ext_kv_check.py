@@ -1,34 +1,25 @@
-"""A test-only SGLang plugin (tests/sglang/engine_harness.py puts this directory, with its
-dist-info, on an engine's PYTHONPATH; SGLang loads it in each of its processes).
+"""A test-only SGLang plugin (pd_harness.node_env, test_engine.run_engine and
+test_spec_engine.engine_env put this directory, with its dist-info, on an engine's
+PYTHONPATH; SGLang loads it in each of its processes).
 
-- ``SWA_EXT_TEST_DUMMY_WEIGHT_RANGE=R``: SGLang's dummy weights drawn from [-R, R] instead
-  of its [-1e-3, 1e-3], which leave a tiny model's greedy output blind to its KV cache
-  (a fault that scrambles every SWA write changed no token of a tiny gpt-oss).
-- ``SWA_EXT_TEST_KV_FAULT``: a planted fault in the shared mode's KV storage, so that a
-  test shows its comparison of outputs can fail:
-  ``write_row_off``: every SWA-layer KV write lands one slot further on;
+``SWA_EXT_TEST_KV_FAULT`` plants a fault in the shared mode's KV storage, so that a test
+shows its comparison of outputs can fail (the engine tests' weights make the outputs
+depend on the KV: tests/sglang/conftest.py):
+  ``write_row_off``: every SWA-layer KV write lands one slot further on (the last row's
+  one slot back);
   ``view_layer_off``: SWA layer i's view is over full layer i + 1's buffers (the last
   over the last), so two SWA layers write one buffer.
 """
-import functools
 import os
 
-RANGE_VARIABLE = "SWA_EXT_TEST_DUMMY_WEIGHT_RANGE"
 FAULT_VARIABLE = "SWA_EXT_TEST_KV_FAULT"
 FAULTS = ("write_row_off", "view_layer_off")
-
-
-def _widen_dummy_weights(bound):
-    from sglang.srt.model_loader import loader, weight_utils
-
-    widened = functools.partial(weight_utils.initialize_dummy_weights, low=-bound, high=bound)
-    loader.initialize_dummy_weights = widened
 
 
 def _plant(fault):
     import dataclasses
 
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+    import torch
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     from swa_ext.sglang import shared_pool
@@ -51,16 +42,15 @@ def _plant(fault):
     else:
         def set_one_row_off(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
             if self.layers_mapping[layer.layer_id][1]:
-                loc_info = dataclasses.replace(loc_info, swa_loc=loc_info.swa_loc + 1)
+                rows = self.swa_kv_pool.size + self.swa_kv_pool.page_size
+                loc = loc_info.swa_loc
+                loc_info = dataclasses.replace(loc_info, swa_loc=torch.where(loc + 1 < rows, loc + 1, loc - 1))
             return SWAKVPool.set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs)
 
         shared_pool.SharedSWAKVPool.set_kv_buffer = set_one_row_off
 
 
 def plugin():
-    bound = os.environ.get(RANGE_VARIABLE)
-    if bound:
-        _widen_dummy_weights(float(bound))
     fault = os.environ.get(FAULT_VARIABLE)
     if fault:
         if fault not in FAULTS:
