@@ -28,8 +28,8 @@ except ImportError as e:  # pragma: no cover - depends on the venv
     pytest.skip(f"the pair needs Mooncake's transfer engine and SGLang's router ({e}): run scripts/setup-sglang.sh",
                 allow_module_level=True)
 
-NODE_RUNS = [("page16", "sglang", None), ("page16", "shared", None), ("page16-tight", "shared", None),
-             ("page16", "shared", "write_row_off")]
+# (config, mode[, planted KV fault]): SGLang's run is test_pd_node.py's, once a session.
+NODE_RUNS = [("page16", "sglang"), ("page16", "shared"), ("page16-tight", "shared"), ("page16", "shared", "write_row_off")]
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +44,16 @@ def test_shared_decode_node_serves_sglangs_outputs_on_the_tail_path(node_runs):
     page comes back. (Its outputs are not compared: the fake transfer writes no KV, so a
     request that waits decodes over what its recycled slots last held.)"""
     for config in ("page16", "page16-tight"):
-        run = node_runs[config, "shared", None]
+        run = node_runs[config, "shared"]
         test_pd_node.check_run(run, "shared")  # the shared allocator served; every page free at the end
         test_pd_node.check_tail_path(run)
         check_shared_served(run["log"], 16)
         assert "out of memory" not in run["log"].lower()
-    assert node_runs["page16", "shared", None]["outputs"] == node_runs["page16", "sglang", None]["outputs"]
-    assert re.search(r"#prealloc-req: [1-9]", node_runs["page16-tight", "shared", None]["log"]), \
-        "no preallocation waited"
-    assert SLOT_KINDS_CHECKED in node_runs["page16", "shared", None]["log"]
+    assert node_runs["page16", "shared"]["outputs"] == node_runs["page16", "sglang"]["outputs"]
+    assert re.search(r"#prealloc-req: [1-9]", node_runs["page16-tight", "shared"]["log"]), "no preallocation waited"
+    assert SLOT_KINDS_CHECKED in node_runs["page16", "shared"]["log"]
     # The comparison can fail: SWA-layer KV written one slot off gives other tokens.
-    assert node_runs["page16", "shared", "write_row_off"]["outputs"] != node_runs["page16", "sglang", None]["outputs"]
+    assert node_runs["page16", "shared", "write_row_off"]["outputs"] != node_runs["page16", "sglang"]["outputs"]
 
 
 @pytest.fixture(scope="module")

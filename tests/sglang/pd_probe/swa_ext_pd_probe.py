@@ -128,8 +128,9 @@ def _count_hook_evictions(counts, write):
     def counting_prepare_for_decode(self):
         # swa_ext's plugin installs the hook in an order this one does not know: it is
         # wrapped at the first decode step (only the hook counts here).
-        if ScheduleBatch.maybe_evict_swa is hooks.maybe_evict_swa:
-            ScheduleBatch.maybe_evict_swa = counted(hooks.maybe_evict_swa)
+        # (The hook itself, or its slot-kind-checking form under SWA_EXT_DEBUG=1.)
+        if hooks.installed() and not getattr(ScheduleBatch.maybe_evict_swa, "counted", False):
+            ScheduleBatch.maybe_evict_swa = counted(ScheduleBatch.maybe_evict_swa)
         return prepare_for_decode(self)
 
     ScheduleBatch.prepare_for_decode = counting_prepare_for_decode
