@@ -10,6 +10,7 @@ are read at start-up, so each allocator mode is its own process.
 Every address is 127.0.0.1. Mooncake's engine also listens on all interfaces; these
 nodes are for a trusted host.
 """
+import concurrent.futures
 import contextlib
 import glob
 import json
@@ -70,6 +71,14 @@ def node_env(mode, probe_dir, lockstep_report=None, fault=None):
         env["SWA_EXT_LOCKSTEP_REPORT"] = lockstep_report
     os.makedirs(probe_dir, exist_ok=True)
     return env
+
+
+def two_at_a_time(run, argument_tuples):
+    """``run`` on each argument tuple, two engines at a time (one a core: an engine's
+    scheduler runs on one): {arguments: result}."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {arguments: pool.submit(run, *arguments) for arguments in argument_tuples}
+        return {arguments: future.result() for arguments, future in futures.items()}
 
 
 def allocator_variables(mode):

@@ -3,7 +3,6 @@
 ids and cached-token counts must be those of SGLang's allocator, with SGLang's strict
 memory and KV-page checks on. Each run is its own process (tests/sglang/engine_run.py),
 since the plugin and the checks are read at start-up."""
-import concurrent.futures
 import functools
 import json
 import os
@@ -15,7 +14,7 @@ import time
 import pytest
 
 from conftest import STUBS
-from pd_harness import KV_CHECK, allocator_variables
+from pd_harness import KV_CHECK, allocator_variables, two_at_a_time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_POOL = (8192, "default")  # (max_total_tokens, swa_full_tokens_ratio)
@@ -78,14 +77,6 @@ def run_script(args, env, out_dir, report):
         with open(report) as f:
             counts = json.load(f)
     return proc, log, counts, wall
-
-
-def two_at_a_time(run, argument_tuples):
-    """``run`` on each argument tuple, two engines at a time (one a core: an engine's
-    scheduler runs on one): {arguments: result}."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {arguments: pool.submit(run, *arguments) for arguments in argument_tuples}
-        return {arguments: future.result() for arguments, future in futures.items()}
 
 
 def run_engines(runs):

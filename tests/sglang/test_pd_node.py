@@ -13,7 +13,6 @@ once, for the outputs of one configuration. SGLang's strict memory checks are on
 every run. Each run is its own process (the plugin and the checks are read at
 start-up); the module's runs go two at a time.
 """
-import concurrent.futures
 import functools
 import json
 import os
@@ -89,9 +88,7 @@ def decode_node(model, config, mode, fault=None):
 @pytest.fixture(scope="module")
 def node_runs(tiny_model):
     """Every run of this module, two at a time (each is mostly one busy process)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {run: pool.submit(decode_node, tiny_model, *run) for run in RUNS}
-        return {run: future.result() for run, future in futures.items()}
+    return pd_harness.two_at_a_time(functools.partial(decode_node, tiny_model), RUNS)
 
 
 def check_run(run, mode):

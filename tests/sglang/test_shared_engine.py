@@ -19,7 +19,7 @@ import pytest
 import capacity_run
 from conftest import TINY_PAIRS, model_config, write_checkpoint
 import pd_harness
-from test_engine import DEFAULT_POOL, run_engines, run_script, swa_ext_lines, two_at_a_time
+from test_engine import DEFAULT_POOL, run_engines, run_script, swa_ext_lines
 from test_spec_engine import run_spec_engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -183,7 +183,7 @@ def test_ngram_speculative_decoding_in_the_shared_mode(tiny_model):
     outputs and cached tokens of SGLang's allocator, and verifies that committed drafts.
     The verify counts themselves follow the batches (NGRAM drafts from every request's
     tokens so far), which the larger budget changes."""
-    runs = two_at_a_time(run_spec_engine, [(tiny_model, None, "NGRAM", 4, 16, 1, mode, "auto", fault)
+    runs = pd_harness.two_at_a_time(run_spec_engine, [(tiny_model, None, "NGRAM", 4, 16, 1, mode, "auto", fault)
                                            for mode, fault in (("sglang", None), ("shared", None),
                                                                ("shared", "write_row_off"))])
     reference, shared, faulty = runs.values()

@@ -10,7 +10,7 @@ too small for every request at once (the node's reserved decode tokens priced on
 budget), preallocations wait and none fails. The pair (test_pd_pair.py's prompts): the
 outputs of one non-disaggregated engine, so every prompt's KV crossed into the right slots.
 """
-import concurrent.futures
+import functools
 import os
 import re
 import time
@@ -34,9 +34,7 @@ NODE_RUNS = [("page16", "sglang"), ("page16", "shared"), ("page16-tight", "share
 
 @pytest.fixture(scope="module")
 def node_runs(tiny_model):
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {run: pool.submit(test_pd_node.decode_node, tiny_model, *run) for run in NODE_RUNS}
-        return {run: future.result() for run, future in futures.items()}
+    return pd_harness.two_at_a_time(functools.partial(test_pd_node.decode_node, tiny_model), NODE_RUNS)
 
 
 def test_shared_decode_node_serves_sglangs_outputs_on_the_tail_path(node_runs):

@@ -22,8 +22,8 @@ import types
 import pytest
 
 from conftest import MODEL_CONFIG, STUBS
-from pd_harness import KV_CHECK, allocator_variables
-from test_engine import queued, run_script, two_at_a_time
+from pd_harness import KV_CHECK, allocator_variables, two_at_a_time
+from test_engine import queued, run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BRIDGES_DIR = os.path.join(HERE, "spec_bridges")
