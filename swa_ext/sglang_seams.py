@@ -52,6 +52,9 @@ SEAMS = (
     (_CONFIGURATOR, "KVCacheConfigurator._init_pools", "self, sizes, req_to_token_pool, token_to_kv_pool_allocator"),
     (_CONFIGURATOR, "KVCacheConfigurator._resolve_memory_pool_config", "self, pre_model_load_memory"),
     (_CONFIGURATOR, "get_memory", ""),
+    # A scheduler that the shared mode refused exits with installer.REFUSED_EXIT_STATUS;
+    # the Engine or server process that waits for it exits with the same status.
+    ("sglang.srt.entrypoints.engine", "_scheduler_died_error", "rank, proc"),
     ("sglang.srt.platforms", "current_platform.get_paged_allocator_cls", ""),
     ("sglang.srt.utils", "is_npu", ""),
     ("sglang.srt.utils", "get_bool_env_var", "name, default"),

@@ -4,11 +4,14 @@ module that constructs allocators."""
 from __future__ import annotations
 
 import abc
+import contextlib
 import inspect
 import logging
 import os
+import sys
 
 import torch
+from sglang.srt.entrypoints import engine as sglang_engine
 from sglang.srt.mem_cache import kv_cache_configurator
 from sglang.srt.mem_cache.allocator import paged as sglang_paged
 from sglang.srt.mem_cache.allocator import swa as sglang_swa
@@ -132,18 +135,45 @@ def _warn_if_built_elsewhere(configurator, allocator_given, pools):
                    "that does not go through the allocator names swa_ext replaces)", type(built).__name__)
 
 
+# The exit status of an SGLang scheduler process whose start-up the shared mode refused
+# (sysexits.h's EX_CONFIG). SGLang's scheduler logs any Exception as a crash, with its
+# traceback, and kills its process group; so the refusal leaves the scheduler as one line
+# and this status, and its parent, seeing the status, exits with it (_scheduler_died_error).
+REFUSED_EXIT_STATUS = 78
+
+
+@contextlib.contextmanager
+def _refusal_ends_the_scheduler():
+    try:
+        yield
+    except SharedModeRefused as refused:
+        print(refused, file=sys.stderr, flush=True)
+        raise SystemExit(REFUSED_EXIT_STATUS) from refused
+
+
 def _init_pools(self, *, sizes, req_to_token_pool, token_to_kv_pool_allocator):
-    pools = _sglang_init_pools(self, sizes=sizes, req_to_token_pool=req_to_token_pool,
-                               token_to_kv_pool_allocator=token_to_kv_pool_allocator)
+    with _refusal_ends_the_scheduler():
+        pools = _sglang_init_pools(self, sizes=sizes, req_to_token_pool=req_to_token_pool,
+                                   token_to_kv_pool_allocator=token_to_kv_pool_allocator)
     _warn_if_built_elsewhere(self, token_to_kv_pool_allocator, pools)
     return pools
 
 
 def _resolve_memory_pool_config(self, pre_model_load_memory):
-    return shared_sizes(self, _sglang_resolve_memory_pool_config(self, pre_model_load_memory))
+    with _refusal_ends_the_scheduler():
+        return shared_sizes(self, _sglang_resolve_memory_pool_config(self, pre_model_load_memory))
+
+
+def _scheduler_died_error(rank, proc):
+    """SGLang's error for a scheduler that died starting, or, where the shared mode refused
+    its configuration (the scheduler printed why), SystemExit with the same status: no
+    traceback after the one line."""
+    error = _sglang_scheduler_died_error(rank, proc)  # joins the process
+    return SystemExit(REFUSED_EXIT_STATUS) if proc.exitcode == REFUSED_EXIT_STATUS else error
 
 
 _sglang_init_pools = kv_cache_configurator.KVCacheConfigurator._init_pools
+_sglang_scheduler_died_error = sglang_engine._scheduler_died_error
 _sglang_resolve_memory_pool_config = kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config
 _STOOD_IN = (sglang_swa.SWATokenToKVPoolAllocator, sglang_paged.PagedTokenToKVPoolAllocator,
              sglang_token.TokenToKVPoolAllocator)
@@ -184,6 +214,7 @@ def _patch(single_pool, lockstep, evict_hook, shared):
                                                         _swa_builder(lockstep, shared, mode))}
     if shared:
         kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config = _resolve_memory_pool_config
+        sglang_engine._scheduler_died_error = _scheduler_died_error
         stand_ins["SWAKVPool"] = SharedSWAKVPool
     if single_pool:
         stand_ins["PagedTokenToKVPoolAllocator"] = _stand_in(sglang_paged.PagedTokenToKVPoolAllocator, _pool_builder(
@@ -201,6 +232,7 @@ def uninstall():
     """Gives allocator construction and the scheduler's eviction back to SGLang."""
     kv_cache_configurator.KVCacheConfigurator._init_pools = _sglang_init_pools
     kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config = _sglang_resolve_memory_pool_config
+    sglang_engine._scheduler_died_error = _sglang_scheduler_died_error
     hooks.uninstall()
     for name, original in _originals.items():
         setattr(kv_cache_configurator, name, original)

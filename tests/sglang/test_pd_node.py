@@ -25,22 +25,23 @@ import pytest
 
 import pd_harness
 
-# Five prompts from shorter than the 64-token window to eight windows long, 100 new
-# tokens: the window slides during decoding (SGLang frees out-of-window SWA every 16
-# steps here, pd_harness.node_env).
+# Five prompts from shorter than the 64-token window to eight windows long, 64 new
+# tokens (100 at page size 64 and in the tight pool: each request's pages leave the window
+# there, and running requests outgrow the pool): the window slides during decoding (SGLang
+# frees out-of-window SWA every 16 steps here, pd_harness.node_env).
 PROMPT_LENS = (40, 150, 260, 390, 520)
-NEW_TOKENS = 100
+NEW_TOKENS = 64
 PROMPTS = [[(7 * i + 3 * j + j * j % 11) % 500 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
 
-# name: (page size, max_total_tokens, engine arguments)
+# name: (page size, max_total_tokens, new tokens, engine arguments)
 CONFIGS = {
-    "page16": (16, 8192, {}),
-    "page64": (64, 8192, {}),
-    "page1": (1, 8192, {}),
-    # 1024 tokens for 1360 prompt tokens and their decoding: a request's preallocation
+    "page16": (16, 8192, NEW_TOKENS, {}),
+    "page64": (64, 8192, 100, {}),
+    "page1": (1, 8192, NEW_TOKENS, {}),
+    # 1024 tokens for 1360 prompt tokens and 100 new tokens each: a request's preallocation
     # waits for memory, and a running request is retracted to the CPU and resumed. A log
     # line every 4 decode steps shows the waiting.
-    "page16-tight": (16, 1024, {"num_reserved_decode_tokens": 16, "decode_log_interval": 4}),
+    "page16-tight": (16, 1024, 100, {"num_reserved_decode_tokens": 16, "decode_log_interval": 4}),
 }
 RUNS = [("page16-tight", "lockstep"), ("page16", "sglang"), ("page16", "1"), ("page16", "lockstep"),
         ("page64", "lockstep"), ("page1", "lockstep")]
@@ -55,13 +56,13 @@ def decode_node(model, config, mode, fault=None):
     """One decode node run: outputs, the probe's allocator calls, lockstep counts, log, wall
     time (once a session: test_shared_pd.py compares with SGLang's run here); ``fault``
     plants a KV fault (pd_harness.node_env)."""
-    page_size, max_total_tokens, engine_args = CONFIGS[config]
+    page_size, max_total_tokens, new_tokens, engine_args = CONFIGS[config]
     out_dir = os.path.join(os.path.dirname(model), f"pd-node-{config}-{mode}" + (f"-{fault}" if fault else ""))
     os.makedirs(out_dir, exist_ok=True)
     spec_path, result = os.path.join(out_dir, "spec.json"), os.path.join(out_dir, "result.json")
     report, probe = os.path.join(out_dir, "lockstep.json"), os.path.join(out_dir, "probe")
     with open(spec_path, "w") as f:
-        json.dump({"model": model, "rounds": [PROMPTS], "new_tokens": NEW_TOKENS,
+        json.dump({"model": model, "rounds": [PROMPTS], "new_tokens": new_tokens,
                    "engine_args": dict(page_size=page_size, max_total_tokens=max_total_tokens,
                                        disaggregation_mode="decode", disaggregation_transfer_backend="fake",
                                        **pd_harness.DECODE_CPU_ARGS, **engine_args)}, f)
@@ -82,7 +83,7 @@ def decode_node(model, config, mode, fault=None):
             lockstep = json.load(f)
     calls = pd_harness.allocator_calls(probe)
     print(f"decode node {config} {mode}: {wall:.0f} s; allocator calls {calls}; lockstep calls {lockstep}")
-    return {"outputs": outputs, "calls": calls, "lockstep": lockstep, "log": log, "wall": wall}
+    return {"outputs": outputs, "new_tokens": new_tokens, "calls": calls, "lockstep": lockstep, "log": log, "wall": wall}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def check_run(run, mode):
     assert pd_harness.allocator_class(calls) == ALLOCATOR_CLASSES[mode], calls["allocator"]
     assert "LockstepDivergence" not in run["log"]
     assert calls["free_after_last_call"] == calls["pool_sizes"], calls
-    assert all(len(o) == NEW_TOKENS for o in run["outputs"])
+    assert all(len(o) == run["new_tokens"] for o in run["outputs"])
 
 
 def check_tail_path(run):

@@ -34,7 +34,7 @@ except ImportError as e:  # pragma: no cover - depends on the venv
 
 PAGE_SIZE = 16
 MAX_TOTAL_TOKENS = 8192
-NEW_TOKENS = 100
+NEW_TOKENS = 64
 # Every prompt longer than the 64-token window, up to eight windows.
 PROMPT_LENS = (72, 150, 260, 390, 520)
 PROMPTS = [[(11 * i + 5 * j + j * j % 13) % 500 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
