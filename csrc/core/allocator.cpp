@@ -158,8 +158,15 @@ int64_t HybridAllocator::available_size() {
 }
 
 bool HybridAllocator::new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) {
-  return swa::new_pages_available(num_full_pages, num_swa_pages, full().available_pages(), swa().available_pages(),
-                                  shared_);
+  return demand_fits(num_full_pages, num_swa_pages, full().available_pages(), swa().available_pages(), shared_);
+}
+
+bool HybridAllocator::reservation_fits(const Reservation& reservation) {
+  check_reservation(reservation);
+  const auto room = [](PoolStore& pool) {
+    return PoolRoom{pool.available_pages(), pool.num_pages(), pool.size()};
+  };
+  return swa::reservation_fits(reservation, room(full()), room(swa()), shared_, page_);
 }
 
 bool HybridAllocator::allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call,

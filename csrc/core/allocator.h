@@ -73,6 +73,8 @@ class HybridAllocator {
   int64_t full_used_size() { return full().held_pages() * page_.size; }
   int64_t swa_used_size() { return swa().held_pages() * page_.size; }
   bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages);
+  // Whether a reservation fits both pools (plan.h's reservation_fits), its counts checked.
+  bool reservation_fits(const Reservation& reservation);
 
   bool alloc(int64_t need_size, OutBuffer& out);
   bool alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens, OutBuffer& out);

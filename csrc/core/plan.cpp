@@ -111,6 +111,17 @@ void check_num_new_pages(int64_t num_new_pages, const AllocPlan& plan) {
     fail("num_new_pages", "is ", num_new_pages, " but the lengths need ", plan.full_pages, " new pages");
 }
 
+void check_reservation(const Reservation& r) {
+  const auto check = [](const char* arg, int64_t tokens) {
+    if (tokens < 0) fail(arg, "is negative (", tokens, ")");
+    if (tokens > kMaxLength) fail(arg, "is above ", kMaxLength, " tokens, got ", tokens);
+  };
+  check("full_tokens", r.full_tokens);
+  check("swa_tokens", r.swa_tokens);
+  check("full_evictable_tokens", r.full_evictable_tokens);
+  check("swa_evictable_tokens", r.swa_evictable_tokens);
+}
+
 void check_segment_start(int64_t start_pos, const PageGeometry& page) {
   if (start_pos < 0 || page.offset(start_pos) != 0)
     fail("start_pos", start_pos, " is not page-aligned (page size ", page.size, ")");

@@ -598,6 +598,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("new_pages_available", [](HybridHandle& h, int64_t num_full_pages, int64_t num_swa_pages) {
              return reading(h, [&] { return h.alloc->new_pages_available(num_full_pages, num_swa_pages); });
            }, swa_docs::hybrid_new_pages_available, py::arg("num_full_pages"), py::arg("num_swa_pages"))
+      .def("reservation_fits", [](HybridHandle& h, int64_t full_tokens, int64_t swa_tokens, int64_t full_evictable_tokens,
+                                  int64_t swa_evictable_tokens, bool empty_pool, bool require_token_slack) {
+             const swa::Reservation reservation{full_tokens, swa_tokens, full_evictable_tokens, swa_evictable_tokens,
+                                                empty_pool, require_token_slack};
+             return reading(h, [&] { return h.alloc->reservation_fits(reservation); });
+           }, swa_docs::hybrid_reservation_fits, py::arg("full_tokens"), py::arg("swa_tokens"), py::kw_only(),
+           py::arg("full_evictable_tokens") = 0, py::arg("swa_evictable_tokens") = 0, py::arg("empty_pool") = false,
+           py::arg("require_token_slack") = false)
       .def("alloc", [](HybridHandle& h, int64_t need_size) {
              return allocation(h, [&](TensorOut& out) { return h.alloc->alloc(need_size, out); });
            }, swa_docs::hybrid_alloc, py::arg("need_size"))
