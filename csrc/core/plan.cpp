@@ -35,8 +35,8 @@ AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& l
 }
 
 // The shared mode's one list has `size` slots, which both kinds read as their size.
-void check_shared_sizes(int64_t size, int64_t size_swa, bool shared) {
-  if (shared && size_swa != size)
+void check_shared_list_sizes(int64_t size, int64_t size_swa, bool shares_list) {
+  if (shares_list && size_swa != size)
     fail("size_swa", "must equal size (", size, ") in the shared mode, whose one list serves both kinds, got ",
          size_swa);
 }
@@ -49,10 +49,10 @@ void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size) {
   if (size > kMaxLength) fail(size_arg, "is above ", kMaxLength, " tokens, got ", size);
 }
 
-void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shared) {
+void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list) {
   check_pool_shape("size_swa", size_swa, page_size);
   check_pool_shape("size", size, page_size);
-  check_shared_sizes(size, size_swa, shared);
+  check_shared_list_sizes(size, size_swa, shares_list);
 }
 
 void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity) {
@@ -68,10 +68,10 @@ void check_pool_alone(const char* call, bool shares_list) {
 }
 
 void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
-                         int64_t swa_capacity, bool shared) {
+                         int64_t swa_capacity, bool shares_list) {
   check_resize("size", size, page_size, full_capacity);
   check_resize("size_swa", size_swa, page_size, swa_capacity);
-  check_shared_sizes(size, size_swa, shared);
+  check_shared_list_sizes(size, size_swa, shares_list);
 }
 
 void check_state_shape(const char* what, bool same_shape) {

@@ -8,7 +8,8 @@ preallocation (``prealloc_fits`` and its reclaim), the decode step's
 an allocation and the clip of a request's new tokens. Its two-pool allocator answers
 each side against its own pool. Here both sides draw on one free list, so every gate
 prices the full pages and the SWA pages of a demand together against the one free count
-(what the tree cache could give back included), as SGLang's unified allocator does for
+(what the tree cache could give back included), in one native call
+(``reservation_fits``, SPEC.md section 8), as SGLang's unified allocator does for
 its byte envelope: what SGLang admits then allocates, and what does not fit waits or is
 retracted the way SGLang does it.
 """

@@ -74,7 +74,7 @@ TEST(Plan, SharedRefusalNeedsTheSumInTheOneList) {
 TEST(Plan, ReservationPricesWholePagesAndTheEvictablePagesOfEachSide) {
   const PageGeometry page(16);
   const PoolRoom full{4, 8, 128}, swa{2, 8, 128};  // available pages, pages, slots
-  const auto fits = [&](Reservation r, bool shared) { return reservation_fits(r, full, swa, shared, page); };
+  const auto fits = [&](Reservation r, bool shares_list) { return reservation_fits(r, full, swa, shares_list, page); };
   // Two pools: 17 tokens take 2 pages; the SWA side's 2 free pages and 1 evictable page.
   EXPECT_TRUE(fits({64, 32, 0, 0, false, false}, false));
   EXPECT_FALSE(fits({65, 32, 0, 0, false, false}, false));
@@ -102,8 +102,8 @@ TEST(Plan, ReservationPricesWholePagesAndTheEvictablePagesOfEachSide) {
 TEST(Plan, SharedMergeSetsTheOtherSidesPagesAside) {
   const PageGeometry page(16);
   const AllocPlan plan = plan_alloc(32, page);  // 2 + 2 pages
-  EXPECT_FALSE(shared_merge_due(plan, 4, page));
-  EXPECT_TRUE(shared_merge_due(plan, 3, page));  // either side alone fits 3, both do not
+  EXPECT_FALSE(shared_list_merge_due(plan, 4, page));
+  EXPECT_TRUE(shared_list_merge_due(plan, 3, page));  // either side alone fits 3, both do not
   EXPECT_FALSE(merge_due(plan, PoolRole::kFull, 3, page));
 }
 
