@@ -256,6 +256,21 @@ def test_lengths_whose_sums_overflow_int64(world):
     assert str(err).startswith("seq_lens: "), err
 
 
+@pytest.mark.parametrize("arg", ["full_tokens", "swa_tokens", "full_evictable_tokens", "swa_evictable_tokens"])
+def test_reservation_counts_out_of_range(world, arg):
+    # reservation_fits prices counts of tokens: a negative one, or one past the longest
+    # length a pool holds (2**62, so that no sum of them overflows), is refused by name.
+    counts = dict(full_tokens=0, swa_tokens=0, full_evictable_tokens=0, swa_evictable_tokens=0)
+    for bad in (-1, -2**63, 2**62 + 1, 2**63 - 1):
+        for empty_pool in (False, True):  # checked before the empty pool sets the evictable ones aside
+            err = expect(world, ValueError, "reservation_fits", **{**counts, arg: bad}, empty_pool=empty_pool,
+                         ref=False)
+            assert str(err).startswith(f"{arg}: "), err
+    for bad in (1.5, "1", None, 2**64):
+        err = expect(world, TypeError, "reservation_fits", **{**counts, arg: bad}, ref=False)
+        assert str(err).startswith(f"{arg}: "), err
+
+
 def test_last_loc_must_match_the_prefix(world):
     w = world
     ps = w.ps
@@ -601,7 +616,9 @@ def _hostile_calls(rng, alloc, dev):
         method("free_swa_segment", dev_ints, start_pos=value), method("free_full_segment", dev_ints, start_pos=value),
         method("free_page_ids", dev_ints), method("translate_loc_from_full_to_swa", dev_ints),
         method("free_group_begin"), method("free_group_end"),
-        method("merge_and_sort_free")]
+        method("merge_and_sort_free"),
+        method("reservation_fits", value, value, full_evictable_tokens=value, swa_evictable_tokens=value,
+               empty_pool=lambda: rng.random() < 0.5, require_token_slack=lambda: rng.random() < 0.5)]
     hybrid = hasattr(alloc, "translate_loc_from_full_to_swa")
     calls.append(method("resize", value, value) if hybrid else method("resize", value))  # (size, size_swa)
     calls = [(name, make) for name, make in calls if hasattr(alloc, name)]

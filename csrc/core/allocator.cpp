@@ -146,10 +146,10 @@ void PoolAllocator::restore_state(const PagePool& state) {
 // ---------------------------------------------------------------- HybridAllocator
 
 HybridAllocator::HybridAllocator(std::unique_ptr<HybridStore> store)
-    : store_(std::move(store)), page_(store_->full().geometry()), shared_(store_->shared()) {}
+    : store_(std::move(store)), page_(store_->full().geometry()) {}
 
-int64_t HybridAllocator::mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shared) {
-  check_hybrid_shape(size, size_swa, page_size, shared);
+int64_t HybridAllocator::mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list) {
+  check_hybrid_shape(size, size_swa, page_size, shares_list);
   return size + page_size + 1;
 }
 
@@ -158,17 +158,25 @@ int64_t HybridAllocator::available_size() {
 }
 
 bool HybridAllocator::new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) {
-  return swa::new_pages_available(num_full_pages, num_swa_pages, full().available_pages(), swa().available_pages(),
-                                  shared_);
+  return demand_fits(num_full_pages, num_swa_pages, full().available_pages(), swa().available_pages(),
+                     store_->shares_list());
+}
+
+bool HybridAllocator::reservation_fits(const Reservation& reservation) {
+  check_reservation(reservation);
+  const auto room = [](PoolStore& pool) {
+    return PoolRoom{pool.available_pages(), pool.num_pages(), pool.size()};
+  };
+  return swa::reservation_fits(reservation, room(full()), room(swa()), store_->shares_list(), page_);
 }
 
 bool HybridAllocator::allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call,
                                OutBuffer& out) {
   store_->validate_batch(plan, batch, last_loc, call);
   // Atomic: both pools are checked before either is touched, merges included.
-  if (hybrid_refused(plan, full().available_pages(), swa().available_pages(), shared_)) return false;
-  if (shared_) {  // one list: one merge, for the pages of both kinds
-    if (shared_merge_due(plan, full().free_pages(), page_)) merge_staged(full());
+  if (hybrid_refused(plan, full().available_pages(), swa().available_pages(), store_->shares_list())) return false;
+  if (store_->shares_list()) {  // one list: one merge, for the pages of both kinds
+    if (shared_list_merge_due(plan, full().free_pages(), page_)) merge_staged(full());
   } else {
     merge_if_due(full(), plan, PoolRole::kFull);
     merge_if_due(swa(), plan, PoolRole::kSwa);
@@ -299,7 +307,7 @@ void HybridAllocator::evict_out_of_window(const SlotRows& req_to_token, Span row
 }
 
 void HybridAllocator::resize(int64_t size, int64_t size_swa) {
-  check_hybrid_resize(size, size_swa, page_.size, full().capacity(), swa().capacity(), shared_);
+  check_hybrid_resize(size, size_swa, page_.size, full().capacity(), swa().capacity(), store_->shares_list());
   store_->resize(size, size_swa);
 }
 
@@ -307,20 +315,20 @@ void HybridAllocator::restore_state(const AllocatorState& state) {
   check_state_shape("an allocator", static_cast<int64_t>(state.mapping.size()) == store_->mapping_len() &&
                                         state.full.size() == full().size() && state.swa.size() == swa().size() &&
                                         state.full.page_size() == page_.size &&
-                                        (state.swa.kind().held == PageKind::swa().held) == shared_);
+                                        state.swa.shares_list() == store_->shares_list());
   store_->restore(state);
 }
 
-void HybridAllocator::check_invariants() { swa::check_invariants(store_->backup(), shared_); }
+void HybridAllocator::check_invariants() { swa::check_invariants(store_->backup()); }
 
 std::string HybridAllocator::debug_string() {
   const AllocatorState state = store_->backup();
   return "full: " + state.full.debug_string() + "\nswa: " + state.swa.debug_string();
 }
 
-void check_invariants(const AllocatorState& state, bool shared) {
+void check_invariants(const AllocatorState& state) {
   const PagePool &full = state.full, &swa = state.swa;
-  if (shared) {
+  if (full.shares_list()) {
     full.check_invariants(&swa);
   } else {
     full.check_invariants();

@@ -57,13 +57,12 @@ class HybridAllocator {
  public:
   explicit HybridAllocator(std::unique_ptr<HybridStore> store);
   // The mapping table's length for pools of this shape, which it checks first.
-  static int64_t mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shared);
+  static int64_t mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list);
 
   HybridStore& store() { return *store_; }
   PoolStore& full() { return store_->full(); }
   PoolStore& swa() { return store_->swa(); }
   int64_t page_size() const { return page_.size; }
-  bool shared() const { return shared_; }
 
   int64_t available_size();
   int64_t full_available_size() { return full().available_pages() * page_.size; }
@@ -73,6 +72,8 @@ class HybridAllocator {
   int64_t full_used_size() { return full().held_pages() * page_.size; }
   int64_t swa_used_size() { return swa().held_pages() * page_.size; }
   bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages);
+  // Whether a reservation fits both pools (plan.h's reservation_fits), its counts checked.
+  bool reservation_fits(const Reservation& reservation);
 
   bool alloc(int64_t need_size, OutBuffer& out);
   bool alloc_extend(const BatchLengths& batch, const LastLoc& last_loc, int64_t extend_num_tokens, OutBuffer& out);
@@ -123,12 +124,11 @@ class HybridAllocator {
 
   std::unique_ptr<HybridStore> store_;
   PageGeometry page_;
-  bool shared_;
   EvictionPlan eviction_;  // evict_out_of_window's plan, its lists kept from call to call
 };
 
-// Throws std::logic_error naming the first broken invariant of a hybrid allocator's state.
-// shared: the state of the shared mode, whose two sides share one list.
-void check_invariants(const AllocatorState& state, bool shared);
+// Throws std::logic_error naming the first broken invariant of a hybrid allocator's state
+// (of either mode: its pools say whether they share one list).
+void check_invariants(const AllocatorState& state);
 
 }  // namespace swa

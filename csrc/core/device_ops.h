@@ -310,23 +310,23 @@ struct AllocSlotsOp {
   int64_t* out;
   // The shared mode: check.full and check.swa are two sides of one list, which hands out
   // the full pages first, then the SWA pages.
-  bool one_list = false;
+  bool shares_list = false;
 
   SWA_HD void operator()(int64_t i) const {
     const PoolView& full = check.full;
     const PoolView& swa = check.swa;
     // The pages each free list hands out (their states are read as before the launch),
     // and where the SWA pages start in the SWA side's list.
-    const int64_t full_taking = one_list ? need_full + need_swa : need_full;
-    const int64_t swa_taking = !check.hybrid ? 0 : one_list ? full_taking : need_swa;
-    const int64_t swa_skip = one_list ? need_full : 0;
+    const int64_t full_taking = shares_list ? need_full + need_swa : need_full;
+    const int64_t swa_taking = !check.hybrid ? 0 : shares_list ? full_taking : need_swa;
+    const int64_t swa_skip = shares_list ? need_full : 0;
     // The host plans from its counts; after a call the ops refused they can exceed the
     // device's (its refused pages were never released), and then nothing is handed out.
-    const bool fits = full.can_take(full_taking) && (one_list || !check.hybrid || swa.can_take(need_swa));
+    const bool fits = full.can_take(full_taking) && (shares_list || !check.hybrid || swa.can_take(need_swa));
     if (i == 0) {
-      full.take_counters(fits ? full_taking : 0, fits ? need_full : 0);  // one_list: both sides' pages
-      if (one_list && fits) full.counters_out[swa.held_word] = full.counters_in[swa.held_word] + need_swa;
-      if (check.hybrid && !one_list) swa.take_counters(fits ? need_swa : 0, fits ? need_swa : 0);
+      full.take_counters(fits ? full_taking : 0, fits ? need_full : 0);  // shares_list: both sides' pages
+      if (shares_list && fits) full.counters_out[swa.held_word] = full.counters_in[swa.held_word] + need_swa;
+      if (check.hybrid && !shares_list) swa.take_counters(fits ? need_swa : 0, fits ? need_swa : 0);
       if (!fits) check.origin.fail_in_order(-1, kCountsOff, 0, full_taking, full.counters_in[kFreeCount]);
     }
     const int64_t j = find_request(batch.words, batch.size, i);

@@ -466,7 +466,7 @@ PagePool DevicePool::snapshot() {
   return PagePool::from_parts(size_, page_.size, need_sort_, free_list, download(list_->staged, counters[dev::kStagedCount]),
                               std::move(state), group_open_, std::move(queued_by_index),
                               download(group_pages_, counters[group_page_word_]), kind_,
-                              list_.use_count() > 1);
+                              shares_list_);
 }
 
 void DevicePool::restore_pool(const PagePool& pool) {
@@ -517,14 +517,14 @@ void DevicePool::restore(const PagePool& state) {
 // ---------------------------------------------------------------- DeviceHybridStore
 
 DeviceHybridStore::DeviceHybridStore(std::shared_ptr<Executor> executor, int64_t size, int64_t size_swa,
-                                     int64_t page_size, bool need_sort, bool shared, bool debug, int64_t* mapping,
+                                     int64_t page_size, bool need_sort, bool shares_list, bool debug, int64_t* mapping,
                                      int64_t mapping_len)
-    : page_(page_size),
-      shared_(shared),
-      control_(std::make_shared<DeviceControl>(std::move(executor), shared ? 1 : 2, debug)),
+    : HybridStore(shares_list),
+      page_(page_size),
+      control_(std::make_shared<DeviceControl>(std::move(executor), shares_list ? 1 : 2, debug)),
       full_(std::make_shared<DevicePool>(control_, 0, size, page_size, need_sort)),
-      swa_(shared ? DevicePool::swa_side_of(*full_)
-                  : std::make_shared<DevicePool>(control_, 1, size_swa, page_size, need_sort)),
+      swa_(shares_list ? DevicePool::swa_side_of(*full_)
+                       : std::make_shared<DevicePool>(control_, 1, size_swa, page_size, need_sort)),
       mapping_(mapping),
       mapping_len_(mapping_len) {
   full_pages_ = control_->exec().allocate(full_->num_pages());
@@ -558,9 +558,9 @@ void DeviceHybridStore::write_batch(const AllocPlan& plan, const BatchLengths& b
   if (plan.num_tokens > 0) {
     const int64_t swa_head = swa_continues_prefix(plan.call) ? -1 : plan.swa_head_len();
     exec.run(plan.num_tokens, dev::AllocSlotsOp{words, last_loc_check(plan, last_loc, call), plan.full_pages,
-                                                plan.swa_pages, swa_head, mapping_, slots, shared_});
+                                                plan.swa_pages, swa_head, mapping_, slots, shares_list()});
     full_->flip();
-    if (!shared_) swa_->flip();  // the shared mode's one list has one counter block
+    if (!shares_list()) swa_->flip();  // the shared mode's one list has one counter block
   }
   full_->took(plan.full_pages);
   swa_->took(plan.swa_pages);

@@ -210,16 +210,15 @@ class DevicePool final : public PoolStore {
 // The two pools of a hybrid allocator and the mapping, in device memory.
 class DeviceHybridStore final : public HybridStore {
  public:
-  // shared: the shared mode, whose pools are two sides of one list (SPEC.md section 8).
+  // shares_list: the shared mode, whose pools are two sides of one list (SPEC.md section 8).
   DeviceHybridStore(std::shared_ptr<Executor> executor, int64_t size, int64_t size_swa, int64_t page_size,
-                    bool need_sort, bool shared, bool debug, int64_t* mapping, int64_t mapping_len);
+                    bool need_sort, bool shares_list, bool debug, int64_t* mapping, int64_t mapping_len);
 
   PoolStore& full() override { return *full_; }
   PoolStore& swa() override { return *swa_; }
   std::shared_ptr<PoolStore> full_ptr() const override { return full_; }
   std::shared_ptr<PoolStore> swa_ptr() const override { return swa_; }
   int64_t mapping_len() const override { return mapping_len_; }
-  bool shared() const override { return shared_; }
   const char* kernels() const override { return control_->exec().kernels(); }
   int64_t device_waits() const override { return control_->waits(); }
   void check_usable() override { control_->check_usable(); }
@@ -253,7 +252,6 @@ class DeviceHybridStore final : public HybridStore {
   void note_mapped(const int64_t* slots, int64_t count);
 
   PageGeometry page_;
-  bool shared_;
   std::shared_ptr<DeviceControl> control_;
   std::shared_ptr<DevicePool> full_, swa_;
   int64_t* mapping_;

@@ -5,11 +5,11 @@
 
 namespace swa {
 
-HostHybridStore::HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, bool shared,
+HostHybridStore::HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, bool shares_list,
                                  int64_t* mapping, int64_t mapping_len)
-    : shared_(shared),
+    : HybridStore(shares_list),
       full_(std::make_shared<PagePool>(size, page_size, need_sort)),
-      swa_(shared ? PagePool::swa_side_of(*full_) : std::make_shared<PagePool>(size_swa, page_size, need_sort)),
+      swa_(shares_list ? PagePool::swa_side_of(*full_) : std::make_shared<PagePool>(size_swa, page_size, need_sort)),
       mapping_(mapping),
       mapping_len_(mapping_len) {
   reset_mapping();
@@ -115,7 +115,7 @@ void HostHybridStore::write_batch(const AllocPlan& plan, const BatchLengths& bat
   if (plan.call == AllocCall::kDecode && !full_->token_mode()) {  // at page size 1 the ring copies below are faster
     swa_slots_.resize(static_cast<size_t>(plan.num_tokens));
     // The shared mode's one list hands out the full pages first, then the SWA pages.
-    write_decode(batch, last_loc, shared_ ? plan.full_pages : 0, full_slots);
+    write_decode(batch, last_loc, shares_list() ? plan.full_pages : 0, full_slots);
     full_->take(plan.full_pages);
     swa_->take(plan.swa_pages);
     return;
@@ -229,10 +229,10 @@ bool HostHybridStore::free_representatives_at_once(Span indices, bool full_side,
   // ordered releases (the SWA side's, then the full side's) would: prepended, the full
   // pages first; appended, the SWA pages first. Its one staging list is not split so.
   int64_t full_before = 0, full_after = 0, swa_before = 0, swa_after = 0;
-  if (shared_ && full_side && swa_side && (full_dest == Destination::kPrepend || full_dest == Destination::kAppend)) {
+  if (shares_list() && full_side && swa_side && (full_dest == Destination::kPrepend || full_dest == Destination::kAppend)) {
     (full_dest == Destination::kPrepend ? full_after : full_before) = n;
     (full_dest == Destination::kPrepend ? swa_before : swa_after) = n;
-  } else if (shared_ && full_side && swa_side && full_dest == Destination::kStaged) {
+  } else if (shares_list() && full_side && swa_side && full_dest == Destination::kStaged) {
     return false;
   }
   PagePool::Releaser full(*full_, full_side ? n : 0, full_dest, full_before, full_after),

@@ -15,7 +15,7 @@ namespace swa {
 class HostHybridStore final : public HybridStore {
  public:
   // mapping: caller-owned storage of mapping_len int64 values; it must outlive the store.
-  HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, bool shared, int64_t* mapping,
+  HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, bool shares_list, int64_t* mapping,
                   int64_t mapping_len);
 
   PoolStore& full() override { return *full_; }
@@ -23,7 +23,6 @@ class HostHybridStore final : public HybridStore {
   std::shared_ptr<PoolStore> full_ptr() const override { return full_; }
   std::shared_ptr<PoolStore> swa_ptr() const override { return swa_; }
   int64_t mapping_len() const override { return mapping_len_; }
-  bool shared() const override { return shared_; }
   const char* kernels() const override { return "cpu"; }
   int64_t device_waits() const override { return 0; }
   void check_usable() override {}
@@ -64,7 +63,6 @@ class HostHybridStore final : public HybridStore {
   // Claims the SWA page mapped from full slot full_slot, a page representative; returns its full page.
   int64_t claim_swa_of_representative(const char* arg, int64_t full_slot);
 
-  bool shared_;
   std::shared_ptr<PagePool> full_, swa_;
   int64_t* mapping_;
   int64_t mapping_len_;

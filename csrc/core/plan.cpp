@@ -35,8 +35,8 @@ AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& l
 }
 
 // The shared mode's one list has `size` slots, which both kinds read as their size.
-void check_shared_sizes(int64_t size, int64_t size_swa, bool shared) {
-  if (shared && size_swa != size)
+void check_shared_list_sizes(int64_t size, int64_t size_swa, bool shares_list) {
+  if (shares_list && size_swa != size)
     fail("size_swa", "must equal size (", size, ") in the shared mode, whose one list serves both kinds, got ",
          size_swa);
 }
@@ -49,10 +49,10 @@ void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size) {
   if (size > kMaxLength) fail(size_arg, "is above ", kMaxLength, " tokens, got ", size);
 }
 
-void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shared) {
+void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list) {
   check_pool_shape("size_swa", size_swa, page_size);
   check_pool_shape("size", size, page_size);
-  check_shared_sizes(size, size_swa, shared);
+  check_shared_list_sizes(size, size_swa, shares_list);
 }
 
 void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity) {
@@ -68,10 +68,10 @@ void check_pool_alone(const char* call, bool shares_list) {
 }
 
 void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
-                         int64_t swa_capacity, bool shared) {
+                         int64_t swa_capacity, bool shares_list) {
   check_resize("size", size, page_size, full_capacity);
   check_resize("size_swa", size_swa, page_size, swa_capacity);
-  check_shared_sizes(size, size_swa, shared);
+  check_shared_list_sizes(size, size_swa, shares_list);
 }
 
 void check_state_shape(const char* what, bool same_shape) {
@@ -109,6 +109,17 @@ AllocPlan plan_decode(const BatchLengths& batch, const LastLoc& last_loc, const 
 void check_num_new_pages(int64_t num_new_pages, const AllocPlan& plan) {
   if (num_new_pages >= 0 && num_new_pages != plan.full_pages)
     fail("num_new_pages", "is ", num_new_pages, " but the lengths need ", plan.full_pages, " new pages");
+}
+
+void check_reservation(const Reservation& r) {
+  const auto check = [](const char* arg, int64_t tokens) {
+    if (tokens < 0) fail(arg, "is negative (", tokens, ")");
+    if (tokens > kMaxLength) fail(arg, "is above ", kMaxLength, " tokens, got ", tokens);
+  };
+  check("full_tokens", r.full_tokens);
+  check("swa_tokens", r.swa_tokens);
+  check("full_evictable_tokens", r.full_evictable_tokens);
+  check("swa_evictable_tokens", r.swa_evictable_tokens);
 }
 
 void check_segment_start(int64_t start_pos, const PageGeometry& page) {

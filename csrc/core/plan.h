@@ -41,15 +41,15 @@ struct LastLoc {
 
 // A pool of `size` slots in pages of page_size slots (constructor and resize rule).
 void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size);
-// The hybrid allocator's two pools, checked before either is built; shared: the shared
-// mode, whose one list of `size` slots serves both kinds (size_swa must equal size).
-void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shared);
+// The hybrid allocator's two pools, checked before either is built; shares_list: the
+// shared mode, whose one list of `size` slots serves both kinds (size_swa must equal size).
+void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list);
 // The rule of resize() for every pool: at least one page, and no more slots than the
 // pool was built with (its index arrays, device memory and the mapping table were sized then).
 void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity);
 // resize() of the hybrid allocator: both pools checked before either changes.
 void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
-                         int64_t swa_capacity, bool shared);
+                         int64_t swa_capacity, bool shares_list);
 // restore_state of a snapshot: it must come from an allocator (pool) of this shape.
 void check_state_shape(const char* what, bool same_shape);
 // clear, resize and restore_state of one pool: not of a side of the shared mode (its
@@ -90,12 +90,42 @@ AllocPlan plan_decode(const BatchLengths& batch, const LastLoc& last_loc, const 
 void check_num_new_pages(int64_t num_new_pages, const AllocPlan& plan);
 
 enum class PoolRole { kFull, kSwa };
-// Whether both kinds of pages fit: each in its pool, or in the shared mode (shared: one
-// list, whose available pages both counts read) their sum in the one list.
-inline bool new_pages_available(int64_t num_full_pages, int64_t num_swa_pages, int64_t full_available_pages,
-                                int64_t swa_available_pages, bool shared) {
-  if (shared) return static_cast<__int128>(num_full_pages) + num_swa_pages <= full_available_pages;
-  return num_full_pages <= full_available_pages && num_swa_pages <= swa_available_pages;
+// Whether a demand of both kinds fits (pages, or tokens): each within its pool's room, or
+// where the two sides share one list (shares_list: the shared mode, whose room both sides
+// read) their sum within the one list's. Wide: counts up to 2**62 and their sums, which
+// int64 cannot hold.
+using Wide = __int128;
+inline bool demand_fits(Wide full, Wide swa, Wide full_room, Wide swa_room, bool shares_list) {
+  if (shares_list) return full + swa <= full_room;
+  return full <= full_room && swa <= swa_room;
+}
+// SGLang's can_reserve: full_tokens and swa_tokens of KV to come, beside what the radix
+// tree could give back of each side (the evictable tokens), or against the empty pool;
+// token_slack keeps a token of the pool to spare.
+struct Reservation {
+  int64_t full_tokens, swa_tokens, full_evictable_tokens, swa_evictable_tokens;
+  bool empty_pool, token_slack;
+};
+// Each count in [0, 2**62] (the longest length a pool holds), else ArgumentError naming it.
+void check_reservation(const Reservation& r);
+// What one pool offers a reservation: its available (free and staged) pages, all its
+// pages, its slots.
+struct PoolRoom {
+  int64_t available_pages, num_pages, size;
+};
+// Whether a checked reservation fits. Each side takes whole pages, as an allocation does
+// (pages_for); each side's evictable tokens give back its whole pages. The empty pool
+// offers all its pages and has nothing to evict; the slack is a token, not a page.
+inline bool reservation_fits(const Reservation& r, const PoolRoom& full, const PoolRoom& swa, bool shares_list,
+                             const PageGeometry& page) {
+  if (r.token_slack && !demand_fits(r.full_tokens, r.swa_tokens, full.size - 1, swa.size - 1, shares_list))
+    return false;
+  const int64_t full_pages = page.pages_for(r.full_tokens), swa_pages = page.pages_for(r.swa_tokens);
+  if (r.empty_pool) return demand_fits(full_pages, swa_pages, full.num_pages, swa.num_pages, shares_list);
+  const int64_t full_back = page.page(r.full_evictable_tokens), swa_back = page.page(r.swa_evictable_tokens);
+  // The one list takes back the pages of both kinds (its available count is both sides').
+  const Wide full_room = Wide{full.available_pages} + full_back + (shares_list ? swa_back : 0);
+  return demand_fits(full_pages, swa_pages, full_room, Wide{swa.available_pages} + swa_back, shares_list);
 }
 // need_sort's merge trigger of the call on one pool, given its free (not staged) pages.
 // Inline, with the refusals: they run on every allocation.
@@ -116,13 +146,13 @@ inline bool merge_due(const AllocPlan& plan, PoolRole pool, int64_t free_pages, 
 }
 
 inline bool hybrid_refused(const AllocPlan& plan, int64_t full_available_pages, int64_t swa_available_pages,
-                           bool shared) {
-  return !new_pages_available(plan.full_pages, plan.swa_pages, full_available_pages, swa_available_pages, shared);
+                           bool shares_list) {
+  return !demand_fits(plan.full_pages, plan.swa_pages, full_available_pages, swa_available_pages, shares_list);
 }
-// need_sort's merge trigger of the shared mode's one list: each side's trigger, with the
+// need_sort's merge trigger of a list both sides share: each side's trigger, with the
 // free pages the other side takes first set aside, so that a call never takes more
 // pages than the list holds after it.
-inline bool shared_merge_due(const AllocPlan& plan, int64_t free_pages, const PageGeometry& page) {
+inline bool shared_list_merge_due(const AllocPlan& plan, int64_t free_pages, const PageGeometry& page) {
   return merge_due(plan, PoolRole::kFull, free_pages - plan.swa_pages, page) ||
          merge_due(plan, PoolRole::kSwa, free_pages - plan.full_pages, page);
 }

@@ -73,8 +73,8 @@ class PoolStore {
   // An open free group's queue to dest (the group is already closed).
   virtual void release_group(GroupQueue queue, Destination dest, ReleaseOrder order) = 0;
 
-  // Whether this pool is a side of the shared mode, whose one free list it shares with
-  // the other side.
+  // Whether this pool is a side of a hybrid store that shares one free list
+  // (HybridStore::shares_list), which it shares with the other side.
   virtual bool shares_list() const = 0;
   // A cleared pool; resize() of size slots, checked by the caller.
   virtual void clear() = 0;
@@ -102,15 +102,16 @@ struct SlotRows {
 class HybridStore {
  public:
   virtual ~HybridStore() = default;
+  // Whether full() and swa() are the two sides of one free list (the shared mode, Python's
+  // shared=True; SPEC.md section 8): fixed when the store is built, and read here by every
+  // layer that serves the two modes differently.
+  bool shares_list() const { return shares_list_; }
   virtual PoolStore& full() = 0;
   virtual PoolStore& swa() = 0;
   // The pools as a lone pool allocator sees them (SGLang's sub-allocators).
   virtual std::shared_ptr<PoolStore> full_ptr() const = 0;
   virtual std::shared_ptr<PoolStore> swa_ptr() const = 0;
   virtual int64_t mapping_len() const = 0;
-  // The shared mode: full() and swa() are the two sides of one free list (the full side
-  // holding pages as full, the SWA side as SWA pages).
-  virtual bool shared() const = 0;
   // Which code runs the ops: "cpu", "emulated" (the device algorithm on the host) or "cuda".
   virtual const char* kernels() const = 0;
   // How many times the host has waited for the device.
@@ -158,6 +159,12 @@ class HybridStore {
   virtual void resize(int64_t size, int64_t size_swa) = 0;
   virtual AllocatorState backup() = 0;
   virtual void restore(const AllocatorState& state) = 0;
+
+ protected:
+  explicit HybridStore(bool shares_list) : shares_list_(shares_list) {}
+
+ private:
+  const bool shares_list_;
 };
 
 }  // namespace swa

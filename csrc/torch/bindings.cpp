@@ -266,9 +266,9 @@ namespace swa_bindings {
 
 struct HybridHandle {
   HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev,
-               const std::string& kernels, bool shared)
+               const std::string& kernels, bool shares_list)
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
-    const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size, shared);
+    const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size, shares_list);
     std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
     const auto demands = {pool_demand("size", size, page_size, true),
                           pool_demand("size_swa", size_swa, page_size, false)};
@@ -278,10 +278,10 @@ struct HybridHandle {
       int64_t* table = mapping.data_ptr<int64_t>();
       std::unique_ptr<swa::HybridStore> store;
       if (executor)
-        store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, shared, debug,
+        store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, shares_list, debug,
                                                          table, mapping_len);
       else
-        store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, shared, table,
+        store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, shares_list, table,
                                                        mapping_len);
       alloc = std::make_unique<swa::HybridAllocator>(std::move(store));
     });
@@ -582,7 +582,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("size_full", [](const HybridHandle& h) { return h.alloc->full().size(); }, swa_docs::hybrid_size_full)
       .def_property_readonly("size_swa", [](const HybridHandle& h) { return h.alloc->swa().size(); }, swa_docs::hybrid_size_swa)
       .def_property_readonly("need_sort", [](const HybridHandle& h) { return h.alloc->full().need_sort(); }, swa_docs::hybrid_need_sort)
-      .def_property_readonly("shared", [](const HybridHandle& h) { return h.alloc->shared(); }, swa_docs::hybrid_shared)
+      .def_property_readonly("shared", [](const HybridHandle& h) { return h.alloc->store().shares_list(); }, swa_docs::hybrid_shared)
       .def_property_readonly("device", [](const HybridHandle& h) { return h.device; }, swa_docs::hybrid_device)
       .def_property_readonly("kernels", [](const HybridHandle& h) { return h.alloc->store().kernels(); }, swa_docs::hybrid_kernels)
       .def_property_readonly("full_to_swa_index_mapping", [](const HybridHandle& h) { return h.mapping; }, swa_docs::hybrid_full_to_swa_index_mapping)
@@ -598,6 +598,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("new_pages_available", [](HybridHandle& h, int64_t num_full_pages, int64_t num_swa_pages) {
              return reading(h, [&] { return h.alloc->new_pages_available(num_full_pages, num_swa_pages); });
            }, swa_docs::hybrid_new_pages_available, py::arg("num_full_pages"), py::arg("num_swa_pages"))
+      .def("reservation_fits", [](HybridHandle& h, int64_t full_tokens, int64_t swa_tokens, int64_t full_evictable_tokens,
+                                  int64_t swa_evictable_tokens, bool empty_pool, bool require_token_slack) {
+             const swa::Reservation reservation{full_tokens, swa_tokens, full_evictable_tokens, swa_evictable_tokens,
+                                                empty_pool, require_token_slack};
+             return reading(h, [&] { return h.alloc->reservation_fits(reservation); });
+           }, swa_docs::hybrid_reservation_fits, py::arg("full_tokens"), py::arg("swa_tokens"), py::kw_only(),
+           py::arg("full_evictable_tokens") = 0, py::arg("swa_evictable_tokens") = 0, py::arg("empty_pool") = false,
+           py::arg("require_token_slack") = false)
       .def("alloc", [](HybridHandle& h, int64_t need_size) {
              return allocation(h, [&](TensorOut& out) { return h.alloc->alloc(need_size, out); });
            }, swa_docs::hybrid_alloc, py::arg("need_size"))

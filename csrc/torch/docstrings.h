@@ -203,6 +203,16 @@ inline constexpr char hybrid_new_pages_available[] =
     "Whether the full pool can hand out num_full_pages fresh pages and the SWA pool\n"
     "num_swa_pages (pages, not tokens).";
 
+inline constexpr char hybrid_reservation_fits[] =
+    "Whether KV for full_tokens full and swa_tokens SWA tokens fits (SGLang's can_reserve):\n"
+    "each side in whole pages, as an allocation takes them, within its pool's available pages\n"
+    "plus the whole pages of its evictable tokens (full_evictable_tokens, swa_evictable_tokens:\n"
+    "what the radix tree could give back); in the shared mode their sum within the one list's\n"
+    "available pages plus both sides' evictable pages. empty_pool: against every page of the\n"
+    "pools instead, nothing evictable counted. require_token_slack: a token to spare,\n"
+    "full_tokens < size_full and swa_tokens < size_swa (shared: their sum < size).\n"
+    "Only reads. Raises ValueError naming a count that is negative or above 2**62.";
+
 inline constexpr char hybrid_alloc[] =
     "need_size slots (tokens; a multiple of page_size) on fresh pages of both pools, each\n"
     "full slot mapped to its SWA slot. Returns the full slots, or None (nothing changed)\n"

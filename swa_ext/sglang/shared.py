@@ -8,7 +8,8 @@ preallocation (``prealloc_fits`` and its reclaim), the decode step's
 an allocation and the clip of a request's new tokens. Its two-pool allocator answers
 each side against its own pool. Here both sides draw on one free list, so every gate
 prices the full pages and the SWA pages of a demand together against the one free count
-(what the tree cache could give back included), as SGLang's unified allocator does for
+(what the tree cache could give back included), in one native call
+(``reservation_fits``, SPEC.md section 8), as SGLang's unified allocator does for
 its byte envelope: what SGLang admits then allocates, and what does not fit waits or is
 retracted the way SGLang does it.
 """
@@ -34,43 +35,35 @@ def _on_a_pd_decode_node():
 class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
     """swa_ext's hybrid allocator in its shared mode (``size == size_swa``: one slot index
     space, one free list), as SGLang's ``SWATokenToKVPoolAllocator``, with the scheduler's
-    capacity gates priced against the one budget. A demand of ``f`` full and ``s`` SWA
-    tokens takes ceil(f / page) + ceil(s / page) pages."""
+    capacity gates priced against the one budget by the native ``reservation_fits``: a
+    demand of ``f`` full and ``s`` SWA tokens takes ceil(f / page) + ceil(s / page) pages."""
 
     _shared = True
 
-    def _pages(self, tokens):
-        return -(-int(tokens) // self.page_size)
-
-    def _free_pages(self):
-        return self.available_size() // self.page_size
-
-    def _fits(self, full_tokens, swa_tokens, reclaimable_tokens=0):
-        return self._pages(full_tokens) + self._pages(swa_tokens) <= \
-            self._free_pages() + int(reclaimable_tokens) // self.page_size
-
-    def _reclaim(self, tree_cache, tokens):
-        """Evicts from the tree cache until ``tokens`` are free or nothing evictable is
-        left: full leaves first (each one's SWA goes with it), then SWA alone, as SGLang's
-        tree evicts; both return pages to the one list."""
-        shortfall = int(tokens) - self.available_size()
-        if shortfall > 0 and tree_cache is not None and tree_cache.supports_prefix_sharing():
+    def _reclaim(self, tree_cache, full_tokens, swa_tokens):
+        """Evicts from the tree cache until ``full_tokens`` and ``swa_tokens`` fit or nothing
+        evictable is left: full leaves first (each one's SWA goes with it), then SWA alone,
+        as SGLang's tree evicts; both return pages to the one list. The tree counts in
+        tokens: it is asked for what the one list lacks (SGLang asks in whole pages)."""
+        if self.reservation_fits(full_tokens, swa_tokens):
+            return
+        if tree_cache is not None and tree_cache.supports_prefix_sharing():
+            shortfall = max(full_tokens + swa_tokens - self.available_size(), self.page_size)
             tree_cache.evict_for_alloc(EvictParams(num_tokens=shortfall, swa_num_tokens=shortfall))
 
     # -- the scheduler's capacity gates --
 
     def can_reserve(self, full_tokens, swa_tokens, *, full_evictable_tokens=0, swa_evictable_tokens=0,
                     empty_pool=False, require_token_slack=False):
-        """Whether ``full_tokens`` full and ``swa_tokens`` SWA tokens fit the one budget:
-        the free pages and what the tree could give back, or (``empty_pool``) the whole
-        budget; ``require_token_slack`` keeps SGLang's one token to spare."""
+        """Whether ``full_tokens`` full and ``swa_tokens`` SWA tokens fit the one budget
+        (``reservation_fits``, which prices it): the free pages and what the tree could
+        give back, or (``empty_pool``) the whole budget; ``require_token_slack`` keeps
+        SGLang's one token to spare. A negative demand does not fit, as in SGLang."""
         if full_tokens < 0 or swa_tokens < 0:
             return False
-        if require_token_slack and full_tokens + swa_tokens >= self.size:
-            return False
-        if empty_pool:
-            return self._pages(full_tokens) + self._pages(swa_tokens) <= self.size // self.page_size
-        return self._fits(full_tokens, swa_tokens, full_evictable_tokens + swa_evictable_tokens)
+        return self.reservation_fits(full_tokens, swa_tokens, full_evictable_tokens=full_evictable_tokens,
+                                     swa_evictable_tokens=swa_evictable_tokens, empty_pool=empty_pool,
+                                     require_token_slack=require_token_slack)
 
     def create_prefill_budget(self, tree_cache, *, num_mixed_decode_tokens=0):
         """SGLang's budget for one pool shared by both sides: it prices each admission's
@@ -79,13 +72,13 @@ class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
 
     def evict_to_free_tokens(self, tree_cache, num_tokens):
         """Before an allocation of ``num_tokens`` on each side: room for both, from one list."""
-        self._reclaim(tree_cache, 2 * num_tokens)
+        self._reclaim(tree_cache, num_tokens, num_tokens)
 
     def check_decode_capacity(self, *, num_tokens, tree_cache, requests=None, spec_algorithm=None):
         """The next decode step takes ``num_tokens`` on each side (a page of each for every
         request that crosses a page): both from the one list, after evicting for them."""
         self.evict_to_free_tokens(tree_cache, num_tokens)
-        return self.available_size() >= 2 * num_tokens
+        return self.reservation_fits(num_tokens, num_tokens)
 
     def max_new_tokens_for_memory(self, input_tokens, max_new_tokens, *, token_capacity, sliding_window_size,
                                   chunk_size):
@@ -128,21 +121,19 @@ class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         retracted requests, one request's headroom): those reserves join the demand, and
         the whole prices against the one budget."""
         full_evictable, swa_evictable = tree_cache.full_evictable_size(), tree_cache.swa_evictable_size()
-        free = self.available_size()
-        full_tokens += free + full_evictable - full_budget_tokens
+        full_tokens += self.full_available_size() + full_evictable - full_budget_tokens
         if swa_budget_tokens is not None:
-            swa_tokens += free + swa_evictable - swa_budget_tokens
+            swa_tokens += self.swa_available_size() + swa_evictable - swa_budget_tokens
         return self.can_reserve(full_tokens, swa_tokens, full_evictable_tokens=full_evictable,
                                 swa_evictable_tokens=swa_evictable)
 
     def reclaim_for_prealloc(self, tree_cache, full_tokens, swa_tokens):
         """Frees room for a preallocation of ``full_tokens`` and ``swa_tokens``: None when
         it is there, else what is missing (the node attaches it to the request)."""
-        needed = (self._pages(full_tokens) + self._pages(swa_tokens)) * self.page_size
-        self._reclaim(tree_cache, needed)
-        if self.available_size() < needed:
-            return (f"swa_ext shared budget: needed {needed} tokens ({full_tokens} full, {swa_tokens} SWA), "
-                    f"available {self.available_size()}")
+        self._reclaim(tree_cache, full_tokens, swa_tokens)
+        if not self.reservation_fits(full_tokens, swa_tokens):
+            return (f"swa_ext shared budget: needed {full_tokens + swa_tokens} tokens ({full_tokens} full, "
+                    f"{swa_tokens} SWA), available {self.available_size()}")
         return None
 
     # -- what the scheduler reads of each side --
@@ -152,9 +143,8 @@ class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         SGLang's conservation check (free + cached + held == capacity) holds on each side.
         What each side holds is the allocator's count (an open free group's pages
         included), kept as pages are taken and released: no scan of the mapping."""
-        free = self.available_size()
-        full_used, swa_used = self.full_used_size(), self.swa_used_size()
-        return (full_used + free, free), (swa_used + free, free)
+        full_free, swa_free = self.full_available_size(), self.swa_available_size()
+        return (self.full_used_size() + full_free, full_free), (self.swa_used_size() + swa_free, swa_free)
 
 
 class SlotKindCollision(RuntimeError):

@@ -4,17 +4,15 @@ arena, priced as its code prices it, and swa_ext's shared mode on the real alloc
 
 from __future__ import annotations
 
-import torch
-
 from .node import DecodeNode
 from .scenario import ARENA, SHARED, _cdiv, arena_bytes, arena_page_bytes
 
 FULL, SWA = 0, 1
 
 
-def sglang_prealloc_demand(page_size: int, window: int, need_full: int, swa_own: int, room_full: int, n_active: int,
+def sglang_prealloc_demand(window: int, need_full: int, swa_own: int, room_full: int, n_active: int,
                            swa_in_use: int) -> tuple[int, int]:
-    """The pages of each side SGLang 0.5.23's PD decode node asks a one-budget allocator's
+    """The tokens of each side SGLang 0.5.23's PD decode node asks a one-budget allocator's
     ``prealloc_fits`` for (``decode.py``: the per-side budgets folded back into the demand):
     on the full side the request's tokens and reserve (``need_full``) and the reserve of the
     ``n_active`` active requests (``room_full``); on the SWA side the request's own SWA
@@ -22,7 +20,7 @@ def sglang_prealloc_demand(page_size: int, window: int, need_full: int, swa_own:
     grow beyond the ``swa_in_use`` SWA tokens held (``_swa_tail_allocatable_token_budget``;
     with the radix cache off the request gets no SWA reserve of its own)."""
     swa_growth = max(0, n_active * window - swa_in_use)
-    return _cdiv(need_full + room_full, page_size), _cdiv(swa_own + min(room_full, swa_growth), page_size)
+    return need_full + room_full, swa_own + min(room_full, swa_growth)
 
 
 class Arena:
@@ -124,11 +122,11 @@ class UnifiedDecodeNode(DecodeNode):
     def _admits(self, need_full, swa_fill, new_room_swa, room_full, room_swa, n_active) -> bool:
         """SGLang's ``prealloc_fits`` (``sglang_prealloc_demand``; at page size 1 the SWA
         side asks for the whole prompt and its reserve, as the full side) priced against
-        the arena, as after compaction when moves are allowed."""
+        the arena in SGLang's whole pages, as after compaction when moves are allowed."""
         ps = self.page_size
-        demand = sglang_prealloc_demand(ps, self.window, need_full, swa_fill if ps > 1 else need_full, room_full,
+        demand = sglang_prealloc_demand(self.window, need_full, swa_fill if ps > 1 else need_full, room_full,
                                         n_active, self.arena.live(SWA) * ps)
-        return self.arena.fits(*demand, compacted=self._moves_allowed())
+        return self.arena.fits(*(_cdiv(tokens, ps) for tokens in demand), compacted=self._moves_allowed())
 
     def _allocated(self, before: tuple[int, int], full_pages: int, swa_pages: int) -> None:
         after = self._free_pages()
@@ -187,23 +185,17 @@ class UnifiedDecodeNode(DecodeNode):
 class SharedDecodeNode(DecodeNode):
     """swa_ext's shared mode: one slot space and one free list for full and SWA pages
     (``shared=True``). SGLang's decode node asks swa_ext's ``prealloc_fits`` for the same
-    pages as it asks SGLang's arena (``sglang_prealloc_demand``), priced as their sum
-    against the one free count (``swa_ext/sglang/shared.py``)."""
+    tokens as it asks SGLang's arena (``sglang_prealloc_demand``), which the allocator
+    prices (``reservation_fits``: their pages' sum against the one free count), as
+    ``swa_ext/sglang/shared.py`` does."""
 
     def _make_allocator(self, allocator_factory):
         return allocator_factory(self.config.size_full, self.config.size_swa, self.page_size, shared=True)
 
     def _admits(self, need_full, swa_fill, new_room_swa, room_full, room_swa, n_active) -> bool:
-        ps = self.page_size
-        full_pages, swa_pages = sglang_prealloc_demand(ps, self.window, need_full, swa_fill, room_full, n_active,
-                                                       self._pages_in_use()[SWA] * ps)
-        return full_pages + swa_pages <= self.allocator.available_size() // ps
-
-    def _pages_in_use(self) -> tuple[int, int]:
-        """Full and SWA pages the running requests hold (the free count is one for both)."""
-        ps = self.page_size
-        full = int(torch.div(self.seq_lens + ps - 1, ps, rounding_mode="floor").sum())
-        return full, full - int((self.evicted // ps).sum())
+        demand = sglang_prealloc_demand(self.window, need_full, swa_fill, room_full, n_active,
+                                        self.allocator.swa_used_size())
+        return self.allocator.reservation_fits(*demand)
 
 
 def node_class(budget: str) -> type[DecodeNode]:

@@ -227,9 +227,9 @@ class DecodeNode:
             return self.allocator.alloc_decode(new_lens, new_lens, last_loc)
 
     def _pages_in_use(self) -> tuple[int, int]:
+        """Full and SWA pages held, as the allocator counts them (in either mode)."""
         ps, alloc = self.page_size, self.allocator
-        return (self.config.size_full // ps - alloc.full_available_size() // ps,
-                self.config.size_swa // ps - alloc.swa_available_size() // ps)
+        return alloc.full_used_size() // ps, alloc.swa_used_size() // ps
 
     # -- the policy's rules ------------------------------------------------
 

@@ -22,14 +22,14 @@ struct Pair {
   std::shared_ptr<HostExecutor> exec;
   DeviceHybridStore* dev_store;
   HybridAllocator dev;
-  // threads: the emulation's (HostExecutor); shared: the shared mode (size_swa == size).
+  // threads: the emulation's (HostExecutor); shares_list: the shared mode (size_swa == size).
   Pair(int64_t size, int64_t size_swa, int64_t ps, bool need_sort, bool debug = false, int threads = 0,
-       bool shared = false)
-      : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, shared))),
+       bool shares_list = false)
+      : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, shares_list))),
         dev_mapping(cpu_mapping.size()),
-        cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shared, cpu_mapping.data(), len())),
+        cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shares_list, cpu_mapping.data(), len())),
         exec(std::make_shared<HostExecutor>(0, threads)),
-        dev_store(new DeviceHybridStore(exec, size, size_swa, ps, need_sort, shared, debug, dev_mapping.data(), len())),
+        dev_store(new DeviceHybridStore(exec, size, size_swa, ps, need_sort, shares_list, debug, dev_mapping.data(), len())),
         dev(std::unique_ptr<HybridStore>(dev_store)) {}
   int64_t len() const { return static_cast<int64_t>(cpu_mapping.size()); }
   DeviceControl& control() { return dev_store->control(); }
@@ -64,10 +64,10 @@ V slice(const V& v, size_t begin, size_t end) { return V(v.begin() + begin, v.be
 }  // namespace
 
 // Allocations, decode, window eviction, a free group and frees of every kind, on both
-// stores; shared: in the shared mode (one list of 40 pages), threads: the emulation's.
-void expect_lifecycle_matches(bool shared, int threads) {
+// stores; shares_list: in the shared mode (one list of 40 pages), threads: the emulation's.
+void expect_lifecycle_matches(bool shares_list, int threads) {
   for (const bool need_sort : {false, true}) {
-    Pair p(40 * 16, (shared ? 40 : 24) * 16, 16, need_sort, false, threads, shared);
+    Pair p(40 * 16, (shares_list ? 40 : 24) * 16, 16, need_sort, false, threads, shares_list);
     const V slots = p.extend({0, 0, 0}, {37, 16, 5}, {-1, -1, -1}, 58);
     ASSERT_EQ(slots.size(), 58u);
     p.expect_same();
@@ -98,7 +98,7 @@ void expect_lifecycle_matches(bool shared, int threads) {
     p.dev.free(last);
     p.expect_same();
     EXPECT_EQ(p.dev.full_available_size(), 40 * 16);
-    EXPECT_EQ(p.dev.swa_available_size(), (shared ? 40 : 24) * 16);
+    EXPECT_EQ(p.dev.swa_available_size(), (shares_list ? 40 : 24) * 16);
   }
 }
 
@@ -110,7 +110,7 @@ TEST(DeviceAllocator, SharedModeLifecycleMatchesTheCpuCore) {
 }
 
 TEST(DeviceAllocator, SharedModeReportsAnSwaPageFreedAsFullAsTheCpuCoreDoes) {
-  Pair p(32 * 4, 32 * 4, 4, false, /*debug=*/true, 0, /*shared=*/true);
+  Pair p(32 * 4, 32 * 4, 4, false, /*debug=*/true, 0, /*shares_list=*/true);
   const V slots = p.extend({0}, {6}, {-1}, 6);
   V swa(slots.size());
   p.dev.translate(slots, swa.data());

@@ -65,17 +65,45 @@ TEST(Plan, SharedRefusalNeedsTheSumInTheOneList) {
   const AllocPlan plan = plan_alloc(32, PageGeometry(16));  // 2 full pages and 2 SWA pages
   EXPECT_FALSE(hybrid_refused(plan, 4, 4, true));
   EXPECT_TRUE(hybrid_refused(plan, 3, 3, true));
-  EXPECT_TRUE(new_pages_available(1, 2, 3, 3, true));
-  EXPECT_FALSE(new_pages_available(2, 2, 3, 3, true));
-  EXPECT_FALSE(new_pages_available(INT64_MAX, INT64_MAX, 3, 3, true));  // no overflow into a yes
+  EXPECT_TRUE(demand_fits(1, 2, 3, 3, true));
+  EXPECT_FALSE(demand_fits(2, 2, 3, 3, true));
+  EXPECT_FALSE(demand_fits(INT64_MAX, INT64_MAX, 3, 3, true));  // no overflow into a yes
   EXPECT_THROW(check_hybrid_shape(64, 32, 16, true), ArgumentError);
+}
+
+TEST(Plan, ReservationPricesWholePagesAndTheEvictablePagesOfEachSide) {
+  const PageGeometry page(16);
+  const PoolRoom full{4, 8, 128}, swa{2, 8, 128};  // available pages, pages, slots
+  const auto fits = [&](Reservation r, bool shares_list) { return reservation_fits(r, full, swa, shares_list, page); };
+  // Two pools: 17 tokens take 2 pages; the SWA side's 2 free pages and 1 evictable page.
+  EXPECT_TRUE(fits({64, 32, 0, 0, false, false}, false));
+  EXPECT_FALSE(fits({65, 32, 0, 0, false, false}, false));
+  EXPECT_FALSE(fits({64, 33, 0, 0, false, false}, false));
+  EXPECT_TRUE(fits({64, 33, 0, 31, false, false}, false));  // 31 evictable tokens give back 1 whole page
+  EXPECT_FALSE(fits({64, 49, 0, 31, false, false}, false));
+  EXPECT_FALSE(fits({64, 33, 16, 0, false, false}, false));  // the other side's evictable pages do not count
+  // The one list (4 available pages): the sum, the evictable pages of both sides.
+  EXPECT_TRUE(fits({48, 16, 0, 0, false, false}, true));
+  EXPECT_FALSE(fits({48, 17, 0, 0, false, false}, true));
+  EXPECT_TRUE(fits({48, 17, 15, 16, false, false}, true));
+  EXPECT_FALSE(fits({48, 17, 15, 15, false, false}, true));  // whole pages of each side: 0 + 0
+  // The empty pool: every page, nothing evictable; the slack is a token.
+  EXPECT_TRUE(fits({64, 64, 0, 0, true, false}, true));
+  EXPECT_FALSE(fits({64, 64, 0, 0, true, true}, true));
+  EXPECT_TRUE(fits({64, 63, 0, 0, true, true}, true));
+  EXPECT_TRUE(fits({127, 127, 0, 0, true, true}, false));
+  EXPECT_FALSE(fits({128, 0, 0, 0, true, true}, false));
+  EXPECT_TRUE(fits({Reservation{int64_t{1} << 62, 0, int64_t{1} << 62, int64_t{1} << 62, false, false}}, true));
+  EXPECT_THROW(check_reservation({-1, 0, 0, 0, false, false}), ArgumentError);
+  EXPECT_THROW(check_reservation({0, 0, 0, (int64_t{1} << 62) + 1, false, false}), ArgumentError);
+  EXPECT_NO_THROW(check_reservation({int64_t{1} << 62, 0, 0, 0, false, false}));
 }
 
 TEST(Plan, SharedMergeSetsTheOtherSidesPagesAside) {
   const PageGeometry page(16);
   const AllocPlan plan = plan_alloc(32, page);  // 2 + 2 pages
-  EXPECT_FALSE(shared_merge_due(plan, 4, page));
-  EXPECT_TRUE(shared_merge_due(plan, 3, page));  // either side alone fits 3, both do not
+  EXPECT_FALSE(shared_list_merge_due(plan, 4, page));
+  EXPECT_TRUE(shared_list_merge_due(plan, 3, page));  // either side alone fits 3, both do not
   EXPECT_FALSE(merge_due(plan, PoolRole::kFull, 3, page));
 }
 
