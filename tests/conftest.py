@@ -58,7 +58,8 @@ def pytest_collection_modifyitems(config, items):
 # The groups of tests a run may skip, each by a fragment of its skip reason: what they are
 # and the command that runs them. A reason of no group is shown as it is.
 SKIPPED_GROUPS = (
-    ("slow: run with --slow", "slow tests (the soak, long property-test budgets, the documented long runs)",
+    ("slow: run with --slow", "slow tests (the soak, long property-test budgets, the documented long runs, tests/sglang's "
+     "further engine, PD and fault configurations)",
      "scripts/run-tests.sh --slow"),
     ("no CUDA kernels", "CUDA tests (this build has no CUDA kernels)",
      "scripts/device-check.sh on a machine with a GPU"),

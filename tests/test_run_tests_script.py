@@ -30,8 +30,8 @@ def test_what_is_not_run_is_one_line_a_group_with_its_command(tmp_path):
     assert got.returncode == 0, got.stdout + got.stderr
     lines = (got.stdout + got.stderr).splitlines()
     not_run = [line for line in lines if line.startswith("not run: ")]
-    assert ("not run: 1 slow tests (the soak, long property-test budgets, the documented long runs): "
-            "scripts/run-tests.sh --slow") in not_run
+    assert ("not run: 1 slow tests (the soak, long property-test budgets, the documented long runs, tests/sglang's "
+            "further engine, PD and fault configurations): scripts/run-tests.sh --slow") in not_run
     assert any(line.startswith("not run: tests/sglang (") and line.endswith(
         ": scripts/setup-sglang.sh, then scripts/run-tests.sh") for line in not_run), not_run
     assert "SKIPPED [" not in got.stdout  # not pytest's per-test list

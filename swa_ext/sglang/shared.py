@@ -15,6 +15,8 @@ retracted the way SGLang does it.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from sglang.srt import runtime_context
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -58,9 +60,12 @@ class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         """Whether ``full_tokens`` full and ``swa_tokens`` SWA tokens fit the one budget
         (``reservation_fits``, which prices it): the free pages and what the tree could
         give back, or (``empty_pool``) the whole budget; ``require_token_slack`` keeps
-        SGLang's one token to spare. A negative demand does not fit, as in SGLang."""
+        SGLang's one token to spare. A negative demand does not fit, as in SGLang. The
+        scheduler's prefill budget passes estimates scaled by its new-token ratio: a part
+        of a token takes a whole slot (math.ceil, as SGLang's unified allocator prices it)."""
         if full_tokens < 0 or swa_tokens < 0:
             return False
+        full_tokens, swa_tokens = math.ceil(full_tokens), math.ceil(swa_tokens)
         return self.reservation_fits(full_tokens, swa_tokens, full_evictable_tokens=full_evictable_tokens,
                                      swa_evictable_tokens=swa_evictable_tokens, empty_pool=empty_pool,
                                      require_token_slack=require_token_slack)

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -71,6 +72,25 @@ def node_env(mode, probe_dir, lockstep_report=None, fault=None):
         env["SWA_EXT_LOCKSTEP_REPORT"] = lockstep_report
     os.makedirs(probe_dir, exist_ok=True)
     return env
+
+
+# Work started in the background where a core is idle (while a fault deployment waits):
+# runs whose results are cached (functools.lru_cache), read later by their own tests.
+_beside = []
+
+
+def run_beside(work):
+    """Starts ``work()`` in a background thread. It should fill a cache: a failure there is
+    only printed, and the test that reads the cache runs the work again and reports it."""
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    _beside.append(thread)
+
+
+def join_beside():
+    """Waits for the work run_beside started (before a cache it fills is read)."""
+    while _beside:
+        _beside.pop().join()
 
 
 def two_at_a_time(run, argument_tuples):

@@ -89,7 +89,7 @@ def engines_of_the_selected_tests(request, tiny_model):
     """The engine runs the selected tests of this module read, started two at a time."""
     runs = set()
     for item in request.session.items:
-        if item.module is not request.module:
+        if item.module is not request.module or item.get_closest_marker("skip"):  # --slow's, unasked
             continue
         params = item.callspec.params if hasattr(item, "callspec") else {}
         if "page_size" in params:
@@ -102,10 +102,19 @@ def swa_ext_lines(log):
     return [line for line in log.splitlines() if "swa_ext:" in line]
 
 
+def slow_unless(in_ci, configs):
+    """pytest params of (page size, pool) configs, those not in ``in_ci`` marked slow: CI
+    has minutes for each page size once on the default pool with swa_ext serving alone and
+    once on the tight pool in lockstep (which compares every call and the outputs too);
+    --slow runs the rest."""
+    return [pytest.param(*c, id=f"page{c[0]}-pool{c[1][0]}", marks=() if c in in_ci else pytest.mark.slow)
+            for c in configs]
+
+
 CONFIGS = [(16, DEFAULT_POOL), (1, DEFAULT_POOL), (16, TIGHT_POOL), (1, TIGHT_POOL)]
 
 
-@pytest.mark.parametrize("page_size,pool", CONFIGS, ids=[f"page{p}-pool{q[0]}" for p, q in CONFIGS])
+@pytest.mark.parametrize("page_size,pool", slow_unless({(16, DEFAULT_POOL), (1, DEFAULT_POOL)}, CONFIGS))
 def test_swa_ext_serves_sglangs_engine_with_sglangs_outputs(tiny_model, page_size, pool):
     reference = run_engine(tiny_model, page_size, pool, "sglang")
     served = run_engine(tiny_model, page_size, pool, "1")
@@ -129,7 +138,7 @@ def queued(log):
 LOCKSTEP_CONFIGS = [(16, DEFAULT_POOL), (16, TIGHT_POOL), (1, TIGHT_POOL)]
 
 
-@pytest.mark.parametrize("page_size,pool", LOCKSTEP_CONFIGS, ids=[f"page{p}-pool{q[0]}" for p, q in LOCKSTEP_CONFIGS])
+@pytest.mark.parametrize("page_size,pool", slow_unless({(16, TIGHT_POOL), (1, TIGHT_POOL)}, LOCKSTEP_CONFIGS))
 def test_lockstep_engine_run_has_no_divergence(tiny_model, page_size, pool):
     reference = run_engine(tiny_model, page_size, pool, "sglang")
     lockstep = run_engine(tiny_model, page_size, pool, "lockstep")  # a divergence raises in the scheduler

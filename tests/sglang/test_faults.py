@@ -13,6 +13,7 @@ alive, its next answers those of one engine, no problem in its log but those the
 causes; and in the default mode, run in lockstep with SGLang's allocator, no divergence.
 CI runs the default mode at page size 16 (CI_RUNS); --slow runs the rest.
 """
+import functools
 import json
 import os
 import random
@@ -338,6 +339,7 @@ def faults_run(request, tiny_model):
         dep = fault_harness.Deployment(tiny_model, workdir, mode, page_size, PREFILL_TOKENS, DECODE_TOKENS,
                                        DECODE_ARGS)
         dep.load_waves = waves
+        start_beside_the_deployment(request.session, tiny_model)
         try:
             walls["start"] = round(time.monotonic() - start, 1)
             run["baseline"] = dep.wait_idle(dep.pool_pages())
@@ -467,36 +469,79 @@ def test_no_lockstep_divergence(faults_run):
             assert lockstep.get(call) == calls.get(call), (call, calls, lockstep)
 
 
+@functools.lru_cache(maxsize=None)
+def mid_verify_run(model, mode, page_size):
+    """SGLang's single engine with NGRAM speculative decoding and window eviction every
+    step (tests/sglang/fault_spec_run.py), and at page size 16 test_spec_engine's run of
+    SGLang's allocator alone on the same requests (one run a session): what
+    test_abort_in_mid_verify_with_ngram_and_eviction_every_step checks."""
+    from test_engine import run_script
+    from test_spec_engine import TIGHT_POOL, engine_env, run_spec_engine
+
+    sglang_mode, mode_env, _ = fault_harness.MODES[mode]
+    out_dir = os.path.join(os.path.dirname(model), f"fault-spec-{mode}-page{page_size}")
+    os.makedirs(out_dir, exist_ok=True)
+    result, report, probe = (os.path.join(out_dir, name) for name in ("result.json", "lockstep.json", "probe"))
+    env = dict(engine_env(sglang_mode, 1, report), SWA_EXT_PD_PROBE_DIR=probe, **mode_env)
+    env["PYTHONPATH"] = os.pathsep.join([pd_harness.PROBE, pd_harness.HERE, env["PYTHONPATH"]])
+    proc, log, counts, wall = run_script([os.path.join(pd_harness.HERE, "fault_spec_run.py"), model, result,
+                                          str(page_size), str(TIGHT_POOL)], env, out_dir, report)
+    run = None
+    if proc.returncode == 0:
+        with open(result) as f:
+            run = json.load(f)
+    reference = run_spec_engine(model, None, "NGRAM", 4, page_size, 1, "sglang")
+    return {"returncode": proc.returncode, "log": log, "counts": counts, "wall": wall, "run": run,
+            "reference": reference}
+
+
+_started_beside = []
+
+
+def start_beside_the_deployment(session, model):
+    """The first fault deployment's faults mostly wait (for disconnects, transfers, a
+    restarted prefill node), leaving a core idle: the NGRAM runs of the selected mid-verify
+    tests and, where its tests are selected, test_pd_pair.py's pair run meanwhile, one after
+    the other (pd_harness.run_beside; their tests join before reading them)."""
+    if _started_beside:
+        return
+    _started_beside.append(True)
+    selected = [item for item in session.items if not item.get_closest_marker("skip")]
+    mid_verify = [item.callspec.params for item in selected
+                  if item.originalname == "test_abort_in_mid_verify_with_ngram_and_eviction_every_step"]
+    pair = any(item.module.__name__ == "test_pd_pair" for item in selected)
+
+    def work():
+        for params in mid_verify:
+            mid_verify_run(model, params["mode"], params["page_size"])
+        if pair:
+            import test_pd_pair
+
+            test_pd_pair.pair_results(model)
+
+    pd_harness.run_beside(work)
+
+
 @pytest.mark.parametrize("mode,page_size", [pytest.param(mode, page, marks=in_ci(mode, page))
                                             for page in PAGE_SIZES for mode in fault_harness.MODES])
 def test_abort_in_mid_verify_with_ngram_and_eviction_every_step(tiny_model, mode, page_size):
     """SGLang's single engine with NGRAM speculative decoding and window eviction every
     step: a request aborted while the batch verifies drafts ends as aborted, the pools are
     whole again, the same requests then give SGLang's own outputs (its allocator alone)."""
-    from test_engine import run_script
-    from test_spec_engine import TIGHT_POOL, engine_env, run_spec_engine
-
-    sglang_mode, mode_env, lockstep = fault_harness.MODES[mode]
-    out_dir = os.path.join(os.path.dirname(tiny_model), f"fault-spec-{mode}-page{page_size}")
-    os.makedirs(out_dir, exist_ok=True)
-    result, report, probe = (os.path.join(out_dir, name) for name in ("result.json", "lockstep.json", "probe"))
-    env = dict(engine_env(sglang_mode, 1, report), SWA_EXT_PD_PROBE_DIR=probe, **mode_env)
-    env["PYTHONPATH"] = os.pathsep.join([pd_harness.PROBE, pd_harness.HERE, env["PYTHONPATH"]])
-    proc, log, counts, wall = run_script([os.path.join(pd_harness.HERE, "fault_spec_run.py"), tiny_model, result,
-                                          str(page_size), str(TIGHT_POOL)], env, out_dir, report)
-    assert proc.returncode == 0, log[-6000:]
-    with open(result) as f:
-        run = json.load(f)
-    print(f"abort in mid-verify, page {page_size}: {wall:.0f} s; round one {run['round1']}; calls {run['calls']}")
+    pd_harness.join_beside()
+    result = mid_verify_run(tiny_model, mode, page_size)
+    log, counts, run, reference = result["log"], result["counts"], result["run"], result["reference"]
+    assert result["returncode"] == 0, log[-6000:]
+    print(f"abort in mid-verify, page {page_size}: {result['wall']:.0f} s; round one {run['round1']}; "
+          f"calls {run['calls']}")
     reasons = [r["finish_reason"]["type"] for r in run["round1"]]
     assert reasons == ["abort", "length", "length", "length"], run["round1"]
     assert run["round1"][0]["spec_verify_ct"] >= 1  # it verified before the abort
     assert run["calls"]["free_after_last_call"] == run["calls"]["pool_sizes"]
     assert "LockstepDivergence" not in log
-    if lockstep:
+    if fault_harness.MODES[mode][2]:  # lockstep
         assert counts.get("maybe_evict_swa", 0) > 0 and counts.get("free_segment", 0) >= 8, counts
     # At page size 16, test_spec_engine's own run of SGLang's allocator (one run a session).
-    reference = run_spec_engine(tiny_model, None, "NGRAM", 4, page_size, 1, "sglang")
     assert reference.rows is not None, reference.log[-6000:]
     assert run["round2"] == [r["output_ids"] for r in reference.rows]
     # From the first batch on: the start-up's lines (SGLang's warnings on a CPU, its model

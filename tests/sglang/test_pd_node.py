@@ -44,7 +44,9 @@ CONFIGS = {
     "page16-tight": (16, 1024, 100, {"num_reserved_decode_tokens": 16, "decode_log_interval": 4}),
 }
 RUNS = [("page16-tight", "lockstep"), ("page16", "sglang"), ("page16", "1"), ("page16", "lockstep"),
-        ("page64", "lockstep"), ("page1", "lockstep")]
+        ("page1", "lockstep")]
+# With --slow: page size 64 takes SGLang's tail path as page size 16 does.
+SLOW_RUNS = [("page64", "lockstep")]
 # Who serves in each mode: (top-level package, allocator class).
 ALLOCATOR_CLASSES = {"sglang": ("sglang", "SWATokenToKVPoolAllocator"), "1": ("swa_ext", "SWATokenToKVPoolAllocator"),
                      "lockstep": ("swa_ext", "LockstepSWATokenToKVPoolAllocator"),
@@ -87,9 +89,11 @@ def decode_node(model, config, mode, fault=None):
 
 
 @pytest.fixture(scope="module")
-def node_runs(tiny_model):
-    """Every run of this module, two at a time (each is mostly one busy process)."""
-    return pd_harness.two_at_a_time(functools.partial(decode_node, tiny_model), RUNS)
+def node_runs(request, tiny_model):
+    """Every run of this module (SLOW_RUNS with --slow), two at a time (each is mostly one
+    busy process)."""
+    return pd_harness.two_at_a_time(functools.partial(decode_node, tiny_model),
+                                    RUNS + (SLOW_RUNS if request.config.getoption("--slow") else []))
 
 
 def check_run(run, mode):
@@ -143,6 +147,7 @@ def test_decode_node_on_swa_ext_serves_sglangs_outputs(node_runs):
     check_mirrored(runs["lockstep"])
 
 
+@pytest.mark.slow
 def test_decode_node_page_size_64_in_lockstep(node_runs):
     run = node_runs["page64", "lockstep"]
     check_run(run, "lockstep")

@@ -10,6 +10,7 @@ allocator (a difference stops the node). The probe plugin (tests/sglang/pd_probe
 measures the bytes the prefill node handed to the transfer engine: for the SWA layers,
 only each prompt's window tail.
 """
+import functools
 import json
 import os
 import sys
@@ -40,33 +41,57 @@ PROMPT_LENS = (72, 150, 260, 390, 520)
 PROMPTS = [[(11 * i + 5 * j + j * j % 13) % 500 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
 
 
-def start_reference(model, workdir):
-    """The same prompts on one non-disaggregated engine (SGLang's allocator), in the
-    background: its process and the path of its outputs."""
-    spec_path, result = os.path.join(workdir, "reference-spec.json"), os.path.join(workdir, "reference.json")
-    with open(spec_path, "w") as f:
-        json.dump({"model": model, "rounds": [PROMPTS], "new_tokens": NEW_TOKENS,
-                   "engine_args": {"page_size": PAGE_SIZE, "max_total_tokens": MAX_TOTAL_TOKENS}}, f)
-    env = pd_harness.node_env("sglang", os.path.join(workdir, "reference-probe"))
-    process = pd_harness.Process("reference engine", [sys.executable, pd_harness.__file__, "engine", spec_path, result],
-                                 env, os.path.join(workdir, "reference.log"))
-    return process, result
+_references = {}
 
 
-def reference_outputs(process, result, timeout=600):
-    process.proc.wait(timeout=timeout)
-    assert process.proc.returncode == 0, f"reference engine failed:\n{process.log()}"
-    with open(result) as f:
-        return json.load(f)["rounds"][0]
+def reference(model):
+    """The prompts' outputs on one non-disaggregated engine (SGLang's allocator), once a
+    session (test_shared_pd.py's pair compares with them too): started in the background
+    at the first call, so that it runs beside the caller's pair. Returns a function that
+    waits for them, or with ``stop=True`` ends the engine (a caller that failed)."""
+    if model not in _references:
+        workdir = os.path.join(os.path.dirname(model), "pd-pair-reference")
+        os.makedirs(workdir, exist_ok=True)
+        spec_path, result = os.path.join(workdir, "spec.json"), os.path.join(workdir, "reference.json")
+        with open(spec_path, "w") as f:
+            json.dump({"model": model, "rounds": [PROMPTS], "new_tokens": NEW_TOKENS,
+                       "engine_args": {"page_size": PAGE_SIZE, "max_total_tokens": MAX_TOTAL_TOKENS}}, f)
+        env = pd_harness.node_env("sglang", os.path.join(workdir, "probe"))
+        process = pd_harness.Process("reference engine", [sys.executable, pd_harness.__file__, "engine", spec_path,
+                                                          result], env, os.path.join(workdir, "reference.log"))
+        outputs = []
+
+        def read(stop=False, timeout=600):
+            try:
+                if not stop and not outputs:
+                    process.proc.wait(timeout=timeout)
+                    assert process.proc.returncode == 0, f"reference engine failed:\n{process.log()}"
+                    with open(result) as f:
+                        outputs.append(json.load(f)["rounds"][0])
+            finally:
+                process.stop()
+                if not outputs:  # stopped or failed: the next caller starts it again
+                    _references.pop(model, None)
+            return outputs[0] if outputs else None
+
+        _references[model] = read
+    return _references[model]
 
 
 @pytest.fixture(scope="module")
 def pair_run(tiny_model):
+    pd_harness.join_beside()  # test_faults.py may have started it beside its deployment
+    return pair_results(tiny_model)
+
+
+@functools.lru_cache(maxsize=None)
+def pair_results(tiny_model):
+    """The pair's run (once a session) beside one engine's reference."""
     workdir = os.path.join(os.path.dirname(tiny_model), "pd-pair")
     os.makedirs(workdir, exist_ok=True)
     walls = {}
     start = time.monotonic()
-    reference_process, reference_result = start_reference(tiny_model, workdir)  # beside the pair
+    read_reference = reference(tiny_model)  # beside the pair
     try:
         with pd_harness.Pair(tiny_model, workdir, "lockstep", PAGE_SIZE, MAX_TOTAL_TOKENS) as pair:
             walls["pair start"] = time.monotonic() - start
@@ -80,14 +105,15 @@ def pair_run(tiny_model):
                 lockstep = json.load(f)
             logs = pair.logs()
         stopped_logs = pair.logs()  # once the pair is stopped
-        start = time.monotonic()
-        reference = reference_outputs(reference_process, reference_result)
-        walls["reference engine, after the pair"] = time.monotonic() - start
-    finally:
-        reference_process.stop()
+    except BaseException:
+        read_reference(stop=True)
+        raise
+    start = time.monotonic()
+    reference_outputs = read_reference()
+    walls["reference engine, after the pair"] = time.monotonic() - start
     print(f"pair walls {walls}; decode allocator calls {calls} (before the requests {before}); "
           f"lockstep calls {lockstep}; bytes sent {sent}")
-    return {"reference": reference, "outputs": outputs, "before": before, "calls": calls, "sent": sent,
+    return {"reference": reference_outputs, "outputs": outputs, "before": before, "calls": calls, "sent": sent,
             "lockstep": lockstep, "logs": logs, "stopped_logs": stopped_logs}
 
 

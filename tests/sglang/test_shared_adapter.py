@@ -70,6 +70,10 @@ def test_a_demand_takes_its_full_and_swa_pages_from_the_one_budget():
     assert alloc.can_reserve(256, 257 + PAGE, full_evictable_tokens=PAGE, swa_evictable_tokens=PAGE)
     assert alloc.can_reserve(256, 256, empty_pool=True)
     assert not alloc.can_reserve(256, 256, empty_pool=True, require_token_slack=True)  # SGLang's token to spare
+    # The prefill budget's estimates are floats (scaled by its new-token ratio): a part of a
+    # token takes a slot.
+    assert alloc.can_reserve(255.5, 256.0) and not alloc.can_reserve(256.25, 256.0)
+    assert not alloc.can_reserve(255.5, 256.0, empty_pool=True, require_token_slack=True)
     # What the gate admits allocates, and one page more it refuses does not.
     loc = prompt(alloc, 300, 80)  # 19 full pages and 5 SWA pages
     assert loc is not None and alloc.available_size() == 512 - 24 * PAGE

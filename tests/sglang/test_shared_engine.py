@@ -54,17 +54,20 @@ def check_shared_served(log, page_size):
 # backend the shared mode serves that runs on this CPU (intel_amx needs SGLang's CPU
 # sgl-kernel, built from source; torch_native is refused: test_shared_adapter.py).
 CASES = [(TINY_PAIRS, 16), (TINY_PAIRS, 1), (12, 16)]
-# Each comparison above shown able to fail: the same run with a planted KV fault.
-FAULTS = [("write_row_off", TINY_PAIRS, 16), ("view_layer_off", TINY_PAIRS, 16), ("write_row_off", TINY_PAIRS, 1),
-          ("view_layer_off", 12, 16)]
+# Each comparison above shown able to fail: the same run with a planted KV fault, each
+# fault once in CI; --slow adds the two-pair model's view one layer off.
+FAULTS = [("write_row_off", TINY_PAIRS, 16), ("write_row_off", TINY_PAIRS, 1), ("view_layer_off", 12, 16)]
+SLOW_FAULTS = [("view_layer_off", TINY_PAIRS, 16)]
 
 
 @pytest.fixture(scope="module")
-def engine_runs(tiny_model, twelve_pair_model):
-    """Every run of CASES and FAULTS and their references, two engines at a time (one a core)."""
+def engine_runs(request, tiny_model, twelve_pair_model):
+    """Every run of CASES and FAULTS (SLOW_FAULTS with --slow) and their references, two
+    engines at a time (one a core)."""
     models = {TINY_PAIRS: tiny_model, 12: twelve_pair_model}
     runs = {(pairs, page, mode, None) for pairs, page in CASES for mode in ("sglang", "shared")}
-    runs |= {(pairs, page, "shared", fault) for fault, pairs, page in FAULTS}
+    faults = FAULTS + (SLOW_FAULTS if request.config.getoption("--slow") else [])
+    runs |= {(pairs, page, "shared", fault) for fault, pairs, page in faults}
     order = sorted(runs, key=lambda r: (r[1], -r[0]))  # the longest first
     results = run_engines([(models[pairs], page, DEFAULT_POOL, mode, fault, "short" if pairs == 12 else "full")
                            for pairs, page, mode, fault in order])
@@ -89,7 +92,8 @@ def test_shared_mode_gives_sglangs_outputs(engine_runs, pairs, page_size):
     assert SLOT_KINDS_CHECKED in shared["log"]
 
 
-@pytest.mark.parametrize("fault,pairs,page_size", FAULTS, ids=[f"{f}-{p}pairs-page{q}" for f, p, q in FAULTS])
+@pytest.mark.parametrize("fault,pairs,page_size", FAULTS + [pytest.param(*f, marks=pytest.mark.slow) for f in SLOW_FAULTS],
+                         ids=[f"{f}-{p}pairs-page{q}" for f, p, q in FAULTS + SLOW_FAULTS])
 def test_a_planted_kv_fault_changes_the_outputs(engine_runs, fault, pairs, page_size):
     """The comparison above can fail: the same run with SWA-layer KV written one slot off,
     or an SWA layer's view one layer off, gives other tokens than SGLang's allocator."""
