@@ -1,7 +1,9 @@
 """Test-only: Triton's interpreter re-patches triton.language (inspect.getmembers over
 its modules) at every call of a jit device function, once per program instance of the
-kernel that calls it; the kernel's own launch has already patched the same modules. The
-engine tests spend about 40% of their time there. Skip the redundant re-patch."""
+kernel that calls it; the kernel's own launch has already patched the same modules. That
+was about a third of an engine test's samples (py-spy); skipping the redundant re-patch
+makes an engine run about 15% faster, its outputs the same token for token."""
+import functools
 import os
 import threading
 
@@ -12,6 +14,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     _active = threading.local()
 
+    @functools.lru_cache(maxsize=None)  # a jit function's globals hold the same modules on every call
     def _langs(fn):
         return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (_interp.tl, _interp.tl.core))
 
