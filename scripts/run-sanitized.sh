@@ -34,21 +34,25 @@ cmake -S "$ROOT" -B "$ROOT/build/core-$KIND" "$CMAKE_FLAG" >/dev/null
 cmake --build "$ROOT/build/core-$KIND" -j 2 >/dev/null
 ctest --test-dir "$ROOT/build/core-$KIND" --output-on-failure
 
-# The sanitized extension replaces the built one in place for this run (the editable
-# install imports from the source tree); the regular one is put back on exit.
+# The sanitized extension is built beside the regular one (build/$KIND-lib, with the
+# package's Python files) and imported from there: nothing in the source tree changes, so
+# other runs may use the tree meanwhile (.ci/run runs this beside scripts/run-tests.sh).
 cd "$ROOT"
-REGULAR_SO="$(ls swa_ext/_C*.so)"
-mkdir -p build
-cp "$REGULAR_SO" build/regular_C.so
-trap 'cp "$ROOT/build/regular_C.so" "$ROOT/$REGULAR_SO"' EXIT
-SWA_EXT_SANITIZE="$BUILD_FLAG" MAX_JOBS="${MAX_JOBS:-2}" "$PY" setup.py -q build_ext --inplace \
-  --build-temp "$ROOT/build/$KIND-temp" >/dev/null
+LIB="$ROOT/build/$KIND-lib"
+if [[ -d "$LIB" ]]; then find "$LIB" -name '*.py' -delete; fi
+SWA_EXT_SANITIZE="$BUILD_FLAG" MAX_JOBS="${MAX_JOBS:-2}" "$PY" setup.py -q build_py --build-lib "$LIB" \
+  build_ext --build-lib "$LIB" --build-temp "$ROOT/build/$KIND-temp" >/dev/null
+SANITIZED_SO="$(ls "$LIB"/swa_ext/_C*.so)"
 
 # Proof that the sanitized build is the one under test. (Not grep -q: it stops reading
 # at the first match, nm dies of SIGPIPE, and pipefail turns the match into a failure.)
-nm -D "$REGULAR_SO" | grep "$MARK" >/dev/null || { echo "run-sanitized: $REGULAR_SO is not instrumented" >&2; exit 1; }
+nm -D "$SANITIZED_SO" | grep "$MARK" >/dev/null || { echo "run-sanitized: $SANITIZED_SO is not instrumented" >&2; exit 1; }
 
-export LD_PRELOAD="$RUNTIMES"
+# PYTHONSAFEPATH: no current directory on sys.path (in pytest and in the processes the
+# tests start), so the swa_ext imported is the one on PYTHONPATH, as this checks.
+export PYTHONPATH="$LIB" PYTHONSAFEPATH=1 LD_PRELOAD="$RUNTIMES"
+[[ "$("$PY" -c 'from swa_ext import _C; print(_C.__file__)')" == "$SANITIZED_SO" ]] \
+  || { echo "run-sanitized: python does not import $SANITIZED_SO" >&2; exit 1; }
 # --capture=sys: a sanitizer report is written to file descriptor 2 just before the
 # process aborts, so pytest must not be holding that descriptor.
 "$PY" -m pytest -q -p no:cacheprovider --capture=sys "$@"

@@ -15,10 +15,9 @@ if ! "$PY" -c "import torch, pytest, hypothesis, tqdm, matplotlib, ninja" >/dev/
   "$PY" -m pip install -q "torch==2.13.0" numpy pytest hypothesis tqdm matplotlib setuptools wheel ninja
 fi
 # Build (against the venv's torch) unless the installed extension is newer than every
-# native source and is not a leftover sanitized build (grep without -q: see run-sanitized.sh).
+# native source.
 SO="$(ls "$ROOT"/swa_ext/_C*.so 2>/dev/null | head -n 1 || true)"
 if [[ -z "$SO" || -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "$SO" -print -quit)" ]] \
-   || nm -D "$SO" | grep -E "__asan_report|__tsan_read" >/dev/null \
    || ! "$PY" -c "import swa_ext.simulator" >/dev/null 2>&1 || [[ ! -x "$VENV/bin/swa-ext" ]]; then
   echo "building swa_ext (a few minutes the first time)..." >&2
   MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"

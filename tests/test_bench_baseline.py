@@ -16,9 +16,10 @@ import torch
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-for _p in (str(ROOT), str(TESTS)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+if str(ROOT) not in sys.path:  # last: bench/ from it, never a swa_ext that PYTHONPATH puts first
+    sys.path.append(str(ROOT))
 
 import golden_replay  # noqa: E402  (tests/golden_replay.py, shared driver)
 

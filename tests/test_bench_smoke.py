@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 try:
     from swa_ext_bench import micro, sglang_ref
 except ImportError:  # the source tree without the installed package
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:  # last: never a swa_ext that PYTHONPATH puts first
+        sys.path.append(str(ROOT))
     from bench import micro, sglang_ref
 
 NUMBERS = [

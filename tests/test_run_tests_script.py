@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif("asan" in os.environ.get("LD_PRELOAD", ""),
-                    reason="under run-sanitized.sh: the script's setup-env.sh would rebuild the sanitized extension")
+                    reason="under run-sanitized.sh: the sanitizer would be preloaded into the script's own builds")
 def test_named_tests_select_them_and_skip_ctest():
     node = "tests/test_docs.py::test_the_public_surface_is_all_covered"
     got = subprocess.run(["scripts/run-tests.sh", node, "tests/test_docs.py::test_pool_views_are_the_documented_classes",
@@ -20,7 +20,7 @@ def test_named_tests_select_them_and_skip_ctest():
 
 
 @pytest.mark.skipif("asan" in os.environ.get("LD_PRELOAD", ""),
-                    reason="under run-sanitized.sh: the script's setup-env.sh would rebuild the sanitized extension")
+                    reason="under run-sanitized.sh: the sanitizer would be preloaded into the script's own builds")
 def test_what_is_not_run_is_one_line_a_group_with_its_command(tmp_path):
     """The skipped tests in one line a group, each naming the command that runs them;
     tests/sglang without SGLang's venv likewise."""

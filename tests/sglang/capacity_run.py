@@ -11,18 +11,15 @@ window once decoding starts.
 import json
 import sys
 
+from pd_harness import offline_engine
+
 PROMPTS = [[(13 * i + 7 * j + j * j % 17) % 500 + 3 for j in range(960)] for i in range(7)]
 NEW_TOKENS = 16
-ENGINE_ARGS = {"page_size": 16, "max_total_tokens": 4096, "max_running_requests": 32, "decode_log_interval": 1,
-               "device": "cpu", "attention_backend": "triton", "triton_attention_num_kv_splits": 1,
-               "disable_cuda_graph": True}
+ENGINE_ARGS = {"page_size": 16, "max_total_tokens": 4096, "max_running_requests": 32, "decode_log_interval": 1}
 
 
 def main(model_dir, result_path):
-    import sglang
-
-    engine = sglang.Engine(model_path=model_dir, skip_tokenizer_init=True, log_level="info", random_seed=0,
-                           **ENGINE_ARGS)
+    engine = offline_engine(model_dir, **ENGINE_ARGS)
     try:
         out = engine.generate(input_ids=PROMPTS,
                               sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})

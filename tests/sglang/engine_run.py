@@ -11,6 +11,8 @@ the first's, so the radix cache hits. Writes the output ids and cached-token cou
 import json
 import sys
 
+from pd_harness import offline_engine
+
 
 # Round 1: four prompts longer than the 64-token window, 40 new tokens each, so the
 # window slides during decoding (SWA pages leave it from the first steps). Round 2: the first 80 tokens of each round-1 prompt
@@ -29,13 +31,9 @@ def prompts(round_index):
 
 def main(model_dir, result_path, page_size, max_total_tokens, swa_ratio, attention_backend="triton",
          workload="full"):
-    import sglang
-
     ratio = {} if swa_ratio == "default" else {"swa_full_tokens_ratio": float(swa_ratio)}
-    engine = sglang.Engine(model_path=model_dir, device="cpu", skip_tokenizer_init=True, page_size=page_size,
-                           max_total_tokens=max_total_tokens, **ratio, attention_backend=attention_backend,
-                           triton_attention_num_kv_splits=1, disable_cuda_graph=True, log_level="info",
-                           random_seed=0)
+    engine = offline_engine(model_dir, page_size=page_size, max_total_tokens=max_total_tokens, **ratio,
+                            attention_backend=attention_backend)
     rounds = []
     try:
         for r, new_tokens in enumerate(NEW_TOKENS[workload]):

@@ -34,11 +34,9 @@ def prompts(count):
 
 
 def run_engine(spec, result_path):
-    import sglang
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
-    engine = sglang.Engine(model_path=spec["model"], skip_tokenizer_init=True, log_level="warning", random_seed=0,
-                           **pd_harness.CPU_ENGINE_ARGS, **spec["engine_args"])
+    engine = pd_harness.offline_engine(spec["model"], log_level="warning", **spec["engine_args"])
     try:
         n = len(spec["prompts"])
         # The fake transfer moves no KV and takes each request's first token from its rid.

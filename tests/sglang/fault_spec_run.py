@@ -33,13 +33,10 @@ def flush(engine):
 
 
 def main(model_dir, result_path, page_size, max_total_tokens):
-    import sglang
-
-    engine = sglang.Engine(model_path=model_dir, device="cpu", skip_tokenizer_init=True, page_size=page_size,
-                           max_total_tokens=max_total_tokens, swa_full_tokens_ratio=1.0, attention_backend="triton",
-                           triton_attention_num_kv_splits=1, disable_cuda_graph=True, log_level="info",
-                           random_seed=0, speculative_algorithm="NGRAM", speculative_num_draft_tokens=DRAFT_TOKENS,
-                           speculative_ngram_max_bfs_breadth=1, speculative_ngram_min_bfs_breadth=1)
+    engine = pd_harness.offline_engine(model_dir, page_size=page_size, max_total_tokens=max_total_tokens,
+                                       swa_full_tokens_ratio=1.0, speculative_algorithm="NGRAM",
+                                       speculative_num_draft_tokens=DRAFT_TOKENS, speculative_ngram_max_bfs_breadth=1,
+                                       speculative_ngram_min_bfs_breadth=1)
     prompts = spec_engine_run.prompts()
     params = {"temperature": 0, "max_new_tokens": spec_engine_run.NEW_TOKENS, "ignore_eos": True}
 

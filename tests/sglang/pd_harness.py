@@ -325,14 +325,20 @@ class Pair:
 # --- the offline engine, run as a script --------------------------------------------------
 
 
+def offline_engine(model, **engine_args):
+    """SGLang's offline Engine on the CPU (CPU_ENGINE_ARGS, which engine_args may override),
+    token ids in and out, seeded: every engine runner of tests/sglang builds its engine here."""
+    import sglang
+
+    return sglang.Engine(model_path=model, **{"skip_tokenizer_init": True, "log_level": "info", "random_seed": 0,
+                                              **CPU_ENGINE_ARGS, **engine_args})
+
+
 def run_engine(spec, result_path):
     """One offline engine: ``spec`` holds the engine arguments, the prompts, the new
     tokens, and for a decode node with the fake transfer the requests' bootstrap
     fields. Writes each request's output ids."""
-    import sglang
-
-    engine = sglang.Engine(model_path=spec["model"], skip_tokenizer_init=True, log_level="info", random_seed=0,
-                           **CPU_ENGINE_ARGS, **spec["engine_args"])
+    engine = offline_engine(spec["model"], **spec["engine_args"])
     rounds = []
     try:
         for r, prompts in enumerate(spec["rounds"]):

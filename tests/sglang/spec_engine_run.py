@@ -11,6 +11,8 @@ writes the output ids, cached-token counts and the accepted-draft counts.
 import json
 import sys
 
+from pd_harness import offline_engine
+
 NEW_TOKENS = 36
 
 
@@ -24,8 +26,6 @@ def prompts():
 
 
 def main(model_dir, draft_dir, result_path, algorithm, draft_tokens, page_size, max_total_tokens, load_format):
-    import sglang
-
     spec = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": draft_tokens}
     if load_format == "dummy":
         spec.update(load_format="dummy", speculative_draft_load_format="dummy")
@@ -35,10 +35,8 @@ def main(model_dir, draft_dir, result_path, algorithm, draft_tokens, page_size, 
     else:
         spec.update(speculative_draft_model_path=draft_dir, speculative_num_steps=draft_tokens - 1,
                     speculative_eagle_topk=1, speculative_draft_attention_backend="triton")
-    engine = sglang.Engine(model_path=model_dir, device="cpu", skip_tokenizer_init=True, page_size=page_size,
-                           max_total_tokens=max_total_tokens, swa_full_tokens_ratio=1.0, attention_backend="triton",
-                           triton_attention_num_kv_splits=1, disable_cuda_graph=True, log_level="info",
-                           random_seed=0, **spec)
+    engine = offline_engine(model_dir, page_size=page_size, max_total_tokens=max_total_tokens,
+                            swa_full_tokens_ratio=1.0, **spec)
     try:
         out = engine.generate(input_ids=prompts(),
                               sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
