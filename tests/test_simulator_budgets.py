@@ -164,7 +164,8 @@ def test_every_column_admits_by_sglangs_demand(monkeypatch):
         monkeypatch.setattr(node_type, "_fits", lambda self, f, s, fits=node_type._fits: (priced.append((f, s)),
                                                                                            fits(self, f, s))[1])
     configs = [simulator.policy_config(scenario, p, 0.2) for p in simulator.POLICIES]
-    configs += [simulator.sglang_config(scenario), simulator.unified_config(scenario), simulator.shared_config(scenario)]
+    configs += [simulator.sglang_config(scenario), simulator.unified_config(scenario),
+                simulator.shared_config(scenario)]
     for config in configs:
         asked.clear(), priced.clear()
         simulator.simulate_config(scenario, config)
