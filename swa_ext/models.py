@@ -16,25 +16,40 @@ KV_DTYPE_BYTES = 2
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A model's KV geometry. The SWA side's heads and dims default to the full side's,
+    and V's head dim to K's, as SGLang 0.5.23's ``model_config`` defaults them."""
+
     name: str
-    window: int  # sliding window, tokens
+    window: int  # sliding window (Llama 4: its attention chunk), tokens
     swa_layers: int
     full_layers: int
     kv_heads: int
     head_dim: int
     context_len: int
+    v_head_dim: int | None = None
+    swa_kv_heads: int | None = None
+    swa_head_dim: int | None = None
+    swa_v_head_dim: int | None = None
+    # Whether SGLang 0.5.23 builds its hybrid SWA allocator for this architecture, and
+    # where that is read; False: SGLang runs one full-size pool, so the SGLang columns
+    # are a what-if for this model.
+    sglang_hybrid: bool = True
+    sglang_source: str = ""
 
-    def _bytes_per_token(self, layers: int) -> int:
-        # K and V, every layer of the kind, every KV head.
-        return 2 * layers * self.kv_heads * self.head_dim * KV_DTYPE_BYTES
+    def __post_init__(self):
+        for name, default in (("v_head_dim", "head_dim"), ("swa_kv_heads", "kv_heads"),
+                              ("swa_head_dim", "head_dim"), ("swa_v_head_dim", "swa_head_dim")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(self, default))
 
     @property
     def full_bytes_per_token(self) -> int:
-        return self._bytes_per_token(self.full_layers)
+        # K and V of every full layer (SGLang's heads x (head_dim + v_head_dim) per layer).
+        return self.full_layers * self.kv_heads * (self.head_dim + self.v_head_dim) * KV_DTYPE_BYTES
 
     @property
     def swa_bytes_per_token(self) -> int:
-        return self._bytes_per_token(self.swa_layers)
+        return self.swa_layers * self.swa_kv_heads * (self.swa_head_dim + self.swa_v_head_dim) * KV_DTYPE_BYTES
 
 
 def _complete(entry: object) -> bool:
@@ -43,7 +58,10 @@ def _complete(entry: object) -> bool:
     if not isinstance(entry, dict):
         return False
     keys = ("window", "swa", "full", "kv", "hd", "ctx")
-    return all(type(entry.get(k)) is int for k in keys) and entry["swa"] > 0
+    optional = ("v_hd", "swa_kv", "swa_hd", "swa_v_hd")
+    return (all(type(entry.get(k)) is int for k in keys) and entry["swa"] > 0
+            and all(type(entry[k]) is int for k in optional if k in entry)
+            and type(entry.get("sglang_hybrid")) is bool)
 
 
 @lru_cache(maxsize=None)
@@ -59,6 +77,12 @@ def load_models() -> dict[str, ModelConfig]:
             kv_heads=e["kv"],
             head_dim=e["hd"],
             context_len=e["ctx"],
+            v_head_dim=e.get("v_hd"),
+            swa_kv_heads=e.get("swa_kv"),
+            swa_head_dim=e.get("swa_hd"),
+            swa_v_head_dim=e.get("swa_v_hd"),
+            sglang_hybrid=e["sglang_hybrid"],
+            sglang_source=e["sglang_src"],
         )
         for name, e in raw.items()
         if _complete(e)

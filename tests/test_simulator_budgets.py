@@ -60,14 +60,36 @@ def _node(kv_pages: int, requests: list[Request], reserve: int = 0, page_size: i
     return simulator.UnifiedDecodeNode(scenario, config)
 
 
-def test_unified_arena_is_the_kv_memory_less_two_sink_pages():
+def test_unified_arena_is_sglangs_pools_less_the_sink():
+    """The arena holds the bytes of the two pools SGLang sizes at its ratio 0.8 (20 pages of
+    memory: 11 full and 8 SWA pages), less the sink page at its low end; at page size 1
+    SGLang's decode node preallocates whole prompts on both sides."""
     node = _node(20, [Request(0, 0.0, 100, 10)])
     assert node.arena.empty_gap == 18 * PAGE_BYTES
-    assert node.config.size_full == node.config.size_swa == 19 * 64
+    assert node.config.size_full == node.config.size_swa == 18 * 64
     assert node.config.swa_ratio is None and node.config.budget == simulator.ARENA
-    # At page size 1 SGLang's decode node preallocates whole prompts on both sides.
     assert _node(20 * 64, [Request(0, 0.0, 100, 10)], page_size=1).config.policy == "evict"
     assert node.config.policy == "tail"
+
+
+def test_unified_arena_prices_each_side_at_its_entry():
+    """Unequal entries (MiMo-V2-Flash: 20 KiB full, 200 KiB SWA a token): the sink is one
+    page of the larger entry, each side addresses the arena's bytes over its own page (the
+    SWA side no more than the full side's page ids), and the gap is the full side's top
+    less the sink."""
+    mimo = get_model("mimo-v2-flash")
+    assert simulator.entry_bytes(mimo) == (20 * 1024, 200 * 1024) and simulator.parent_page_k(mimo) == 10
+    scenario = plan_scenario([Request(0, 0.0, 100, 10)], mimo, page_size=64, kv_memory_gib=8.0)
+    sized = simulator.sglang_config(scenario)
+    total = sized.size_full * 20 * 1024 + sized.size_swa * 200 * 1024
+    full_page, swa_page = 64 * 20 * 1024, 64 * 200 * 1024
+    arena = simulator.arena_geometry(scenario)
+    assert (arena.full_page_bytes, arena.swa_page_bytes) == (full_page, swa_page)
+    assert arena.full_pages == total // full_page - 10  # its first 10 pages lie under the sink
+    assert arena.swa_pages == total // swa_page - 1
+    assert arena.gap_bytes == total // full_page * full_page - swa_page
+    config = simulator.unified_config(scenario)
+    assert (config.size_full, config.size_swa) == (arena.full_pages * 64, arena.swa_pages * 64)
 
 
 def test_unified_compaction_is_blocked_while_transfers_are_in_flight():
@@ -88,24 +110,66 @@ def test_unified_compaction_is_blocked_while_transfers_are_in_flight():
     # 5 full pages (holes) and 3 SWA pages: 2 holes and no gap, so it needs a compaction.
     assert node._pre_alloc(rows[1], 300) is None  # a transfer is in flight: no compaction, refused
     assert node.arena.compactions == 0 and not bool(node.req_to_token[rows[1]].any())
-    assert not node._admits(320 + 0, 192, 0, 0, 0, 1)  # admission prices it the same way
+    assert not node._fits(320, 192)  # admission prices it the same way
     node.in_flight = 0  # the next step, before its first preallocation
-    assert node._admits(320 + 0, 192, 0, 0, 0, 1)
+    assert node._fits(320, 192)
     assert node._pre_alloc(rows[1], 300) is not None
     assert node.arena.compactions == 1 and node.arena.extent == [5, 3] and node.arena.holes == [0, 0]
 
 
+def test_sglang_prealloc_demand():
+    """SGLang's decode-node demand: the full side asks for the request and the reserve of
+    every active request; the SWA side for the request's own SWA tokens and the reserve
+    capped by what the active windows can still grow; no window, no cap."""
+    demand = simulator.sglang_prealloc_demand
+    # 3 active requests, reserve 256, window 128: SWA room min(768, 3 x 128 - held).
+    assert demand(128, 128 + 256, 128, 3, 256, 0) == (128 + 256 + 768, 128 + 384)
+    assert demand(128, 128 + 256, 128, 3, 256, 64) == (128 + 256 + 768, 128 + 320)
+    assert demand(128, 128 + 256, 128, 3, 256, 10**6) == (128 + 256 + 768, 128)
+    assert demand(4096, 128 + 256, 128, 3, 256, 0) == (128 + 256 + 768, 128 + 768)
+    assert demand(None, 128 + 256, 128 + 256, 3, 256, 10**6) == (128 + 256 + 768, 128 + 256 + 768)
+
+
 def test_unified_admission_prices_the_reserve_of_every_active_request():
-    """SGLang's prealloc_fits: the full side asks for the request and the reserve of every
-    active request; the SWA side for the window tail and the reserve capped by what the
-    active windows can still grow."""
+    """SGLang's prealloc_fits on the arena: the demand in pages, both sides against the gap
+    (30 pages of memory: pools of 16 and 12 pages, 27 pages past the sink)."""
     node = _node(30, [Request(0, 0.0, 100, 10)], reserve=256)
     node.in_flight = 0
-    # n running requests: full 2 + 4 + 4n pages, SWA 2 + min(4n, 2n) pages, against 28 pages.
-    assert node._admits(128 + 256, 128, 0, 256 * 3, 0, 3)  # 18 + 8 = 26
-    assert not node._admits(128 + 256, 128, 0, 256 * 4, 0, 4)  # 22 + 10 = 32
-    node.arena.take(0, 1)  # an SWA page in use: one page less to grow into, one page less of gap
-    assert node._admits(128 + 256, 128, 0, 256 * 3, 0, 3)  # SWA 2 + 5 (3 windows less the page): 18 + 7 of 27
+    assert node.arena.gap() == 27 * PAGE_BYTES
+
+    def fits(n_active, swa_held):
+        return node._fits(*simulator.sglang_prealloc_demand(128, 128 + 256, 128, n_active, 256, swa_held))
+
+    # n running requests: full 2 + 4 + 4n pages, SWA 2 + min(4n, 2n) pages.
+    assert fits(3, 0) and not fits(4, 0)  # 18 + 8 = 26, 22 + 10 = 32
+    node.arena.take(0, 2)  # two SWA pages in use: two pages less of gap, two less to grow into
+    assert fits(3, 128) and not fits(3, 0)  # 18 + 6 = 24 of 25; without the cap 18 + 8 = 26
+
+
+def test_every_column_admits_by_sglangs_demand(monkeypatch):
+    """One admission rule: every node, split, arena or shared, asks its ``_fits`` for
+    exactly ``sglang_prealloc_demand``'s tokens; a rule of its own in any column fails this."""
+    from swa_ext.simulator import node as node_module
+
+    scenario = plan_scenario(load_trace(AZURE_SMALL), GPT_OSS, page_size=16, kv_memory_gib=0.5)
+    asked, priced = [], []
+    real = node_module.sglang_prealloc_demand
+
+    def recorded(*args):
+        asked.append(real(*args))
+        return asked[-1]
+
+    monkeypatch.setattr(node_module, "sglang_prealloc_demand", recorded)
+    for node_type in (simulator.DecodeNode, simulator.UnifiedDecodeNode, simulator.SharedDecodeNode):
+        monkeypatch.setattr(node_type, "_fits", lambda self, f, s, fits=node_type._fits: (priced.append((f, s)),
+                                                                                           fits(self, f, s))[1])
+    configs = [simulator.policy_config(scenario, p, 0.2) for p in simulator.POLICIES]
+    configs += [simulator.sglang_config(scenario), simulator.unified_config(scenario),
+                simulator.shared_config(scenario)]
+    for config in configs:
+        asked.clear(), priced.clear()
+        simulator.simulate_config(scenario, config)
+        assert priced and priced == asked, config.policy
 
 
 def test_one_budget_pools_hold_the_same_kv_bytes_as_the_fixed_split():
@@ -121,17 +185,34 @@ def test_one_budget_pools_hold_the_same_kv_bytes_as_the_fixed_split():
         assert fixed <= shared_bytes < fixed + 3 * PAGE_BYTES, ratio
         # N = the full tokens + SWA tokens the fixed split has, give or take its page rounding.
         assert 0 <= shared.size_full - (c.size_full + c.size_swa) < 3 * 64
-    assert simulator.arena_bytes(scenario) == memory - 2 * PAGE_BYTES
+    arena = simulator.arena_geometry(scenario)
+    assert memory - 4 * PAGE_BYTES < arena.gap_bytes <= memory - PAGE_BYTES
 
 
-def test_shared_mode_needs_equal_bytes_per_token():
-    gemma3 = get_model("gemma-3-27b")
-    scenario = plan_scenario(load_trace(AZURE_SMALL), gemma3, page_size=64, kv_memory_gib=40.0)
-    with pytest.raises(simulator.SimulationError, match="gemma-3-27b has 10 full and 52 SWA layers"):
+@pytest.mark.parametrize("name, k", [("gemma-3-27b", 6), ("llama-4-scout", 3), ("mimo-v2-flash", 10),
+                                     ("step-3.5-flash", 3)])
+def test_shared_column_waits_for_parent_pages(name, k, capsys):
+    """A model whose entries differ needs parent pages of k = ceil(larger / smaller entry):
+    the default run leaves the column out and says why, and asking for it is refused."""
+    model = get_model(name)
+    assert simulator.parent_page_k(model) == k
+    scenario = plan_scenario(load_trace(AZURE_SMALL), model, page_size=64, kv_memory_gib=40.0)
+    with pytest.raises(simulator.SimulationError, match=f"cannot run: {name} holds .* parent pages of k = {k}"):
         simulator.plan_runs(scenario, (simulator.SWA_EXT_SHARED,))
-    assert simulator.SWA_EXT_SHARED not in simulator.default_columns(gemma3)
+    assert simulator.default_columns(model) == tuple(c for c in simulator.COLUMNS if c != simulator.SWA_EXT_SHARED)
+    assert f"k = {k}" in simulator.left_out_columns(model)[simulator.SWA_EXT_SHARED]
+    from swa_ext import cli
+
+    assert cli.main(["simulate", "--model", name, "--trace", str(AZURE_SMALL), "--max-requests", "3",
+                     "--kv-memory-gib", "8"]) == 0
+    assert f"note: swa_ext_shared left out: {name} holds" in capsys.readouterr().out
+    assert cli.main(["simulate", "--model", name, "--policy", "swa_ext_shared"]) == 2
+    assert f"parent pages of k = {k}" in capsys.readouterr().err
+
+
+def test_shared_column_runs_where_entries_match():
+    assert simulator.parent_page_k(GPT_OSS) == 1 and simulator.left_out_columns(GPT_OSS) == {}
     assert simulator.default_columns(GPT_OSS) == simulator.COLUMNS
-    assert simulator.plan_runs(scenario, (simulator.SGLANG_UNIFIED,))[0].configs[0].budget == simulator.ARENA
 
 
 def test_one_budget_capacity_bound_is_bytes_over_bytes_held():

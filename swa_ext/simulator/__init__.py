@@ -19,26 +19,28 @@ if _missing:
     raise ImportError(f"the simulator needs {', '.join(_missing)}: pip install 'swa_ext[sim]'")
 
 from .budgets import Arena, SharedDecodeNode, UnifiedDecodeNode, node_class
-from .node import DecodeNode, PolicyResult, default_allocator
-from .report import ROW_DESCRIPTIONS, format_conclusion, format_table, plot, report
-from .runs import PlannedRun, conclusion, default_columns, plan_runs, run, simulate, simulate_config
-from .scenario import (ARENA, COLUMNS, DEFAULT_RESERVED_DECODE_TOKENS, EVICTING, GIB, MAX_POOL_TOKENS, POLICIES,
-                       SGLANG, SGLANG_DEFAULT_EVICTION_INTERVAL, SGLANG_DEFAULT_SWA_RATIO, SGLANG_UNIFIED, SHARED,
-                       SPLIT, SWA_EXT, SWA_EXT_EVICTION_INTERVAL, SWA_EXT_SHARED, SWA_RATIO_SWEEP, TUNED_ELSEWHERE,
-                       PolicyConfig, Scenario, SimulationError, arena_bytes, arena_page_bytes, capacity_bound,
-                       fits_empty_node, plan_scenario, policy_config, pool_sizes, request_cap_pool_sizes,
-                       sglang_config, sglang_decode_extra_slots, sglang_swa_pool_tokens, sglang_swa_request_cap,
-                       shared_config, tail_swa_pages_bound, unified_config)
+from .node import DecodeNode, PolicyResult, default_allocator, sglang_prealloc_demand
+from .report import ROW_DESCRIPTIONS, format_conclusion, format_table, notes, plot, report
+from .runs import PlannedRun, conclusion, default_columns, left_out_columns, plan_runs, run, simulate, simulate_config
+from .scenario import (ARENA, COLUMNS, DEFAULT_RESERVED_DECODE_TOKENS, EVICTING, GIB, IN_SGLANG, MAX_POOL_TOKENS,
+                       POLICIES, SGLANG, SGLANG_DEFAULT_EVICTION_INTERVAL, SGLANG_DEFAULT_SWA_RATIO, SGLANG_UNIFIED,
+                       SHARED, SPLIT, SWA_EXT, SWA_EXT_EVICTION_INTERVAL, SWA_EXT_SHARED, SWA_RATIO_SWEEP,
+                       TUNED_ELSEWHERE, ArenaGeometry, PolicyConfig, Scenario, SimulationError, arena_geometry,
+                       capacity_bound, entry_bytes, fits_empty_node, parent_page_k, plan_scenario, policy_config,
+                       pool_sizes, request_cap_pool_sizes, sglang_config, sglang_decode_extra_slots,
+                       sglang_swa_pool_tokens, sglang_swa_request_cap, shared_config, shared_refusal,
+                       tail_swa_pages_bound, unified_config, unified_refusal)
 
 __all__ = [
-    "ARENA", "COLUMNS", "DEFAULT_RESERVED_DECODE_TOKENS", "EVICTING", "GIB", "MAX_POOL_TOKENS", "POLICIES",
+    "ARENA", "COLUMNS", "DEFAULT_RESERVED_DECODE_TOKENS", "EVICTING", "GIB", "IN_SGLANG", "MAX_POOL_TOKENS", "POLICIES",
     "ROW_DESCRIPTIONS", "SGLANG", "SGLANG_DEFAULT_EVICTION_INTERVAL", "SGLANG_DEFAULT_SWA_RATIO", "SGLANG_UNIFIED",
     "SHARED", "SPLIT", "SWA_EXT", "SWA_EXT_EVICTION_INTERVAL", "SWA_EXT_SHARED", "SWA_RATIO_SWEEP",
-    "TUNED_ELSEWHERE", "Arena", "DecodeNode", "PlannedRun", "PolicyConfig", "PolicyResult", "Scenario",
-    "SharedDecodeNode", "SimulationError", "UnifiedDecodeNode", "arena_bytes", "arena_page_bytes", "capacity_bound",
-    "conclusion", "default_allocator", "default_columns", "fits_empty_node", "format_conclusion", "format_table",
-    "node_class", "plan_runs", "plan_scenario", "plot", "policy_config", "pool_sizes", "report",
-    "request_cap_pool_sizes", "run", "shared_config", "simulate", "simulate_config", "sglang_config",
-    "sglang_decode_extra_slots", "sglang_swa_pool_tokens", "sglang_swa_request_cap", "tail_swa_pages_bound",
-    "unified_config",
+    "TUNED_ELSEWHERE", "Arena", "ArenaGeometry", "DecodeNode", "PlannedRun", "PolicyConfig", "PolicyResult",
+    "Scenario", "SharedDecodeNode", "SimulationError", "UnifiedDecodeNode", "arena_geometry", "capacity_bound",
+    "conclusion", "default_allocator", "default_columns", "entry_bytes", "fits_empty_node", "format_conclusion",
+    "format_table", "left_out_columns", "node_class", "notes", "parent_page_k", "plan_runs", "plan_scenario", "plot",
+    "policy_config", "pool_sizes", "report", "request_cap_pool_sizes", "run", "shared_config", "shared_refusal",
+    "simulate", "simulate_config", "sglang_config", "sglang_decode_extra_slots", "sglang_prealloc_demand",
+    "sglang_swa_pool_tokens", "sglang_swa_request_cap", "tail_swa_pages_bound", "unified_config",
+    "unified_refusal",
 ]

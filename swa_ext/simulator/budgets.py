@@ -5,22 +5,9 @@ arena, priced as its code prices it, and swa_ext's shared mode on the real alloc
 from __future__ import annotations
 
 from .node import DecodeNode
-from .scenario import ARENA, SHARED, _cdiv, arena_bytes, arena_page_bytes
+from .scenario import ARENA, SHARED, _cdiv, arena_geometry
 
 FULL, SWA = 0, 1
-
-
-def sglang_prealloc_demand(window: int, need_full: int, swa_own: int, room_full: int, n_active: int,
-                           swa_in_use: int) -> tuple[int, int]:
-    """The tokens of each side SGLang 0.5.23's PD decode node asks a one-budget allocator's
-    ``prealloc_fits`` for (``decode.py``: the per-side budgets folded back into the demand):
-    on the full side the request's tokens and reserve (``need_full``) and the reserve of the
-    ``n_active`` active requests (``room_full``); on the SWA side the request's own SWA
-    tokens and, for the active requests, that reserve capped by what their windows can still
-    grow beyond the ``swa_in_use`` SWA tokens held (``_swa_tail_allocatable_token_budget``;
-    with the radix cache off the request gets no SWA reserve of its own)."""
-    swa_growth = max(0, n_active * window - swa_in_use)
-    return need_full + room_full, swa_own + min(room_full, swa_growth)
 
 
 class Arena:
@@ -105,10 +92,8 @@ class UnifiedDecodeNode(DecodeNode):
     step, decode included; the simulator's transfers take no longer than the step."""
 
     def _make_allocator(self, allocator_factory):
-        ps = self.page_size
-        full_page, swa_page = arena_page_bytes(self.scenario.model, ps)
-        self.arena = Arena(arena_bytes(self.scenario), full_page, swa_page, self.config.size_full // ps,
-                           self.config.size_swa // ps)
+        g = arena_geometry(self.scenario)
+        self.arena = Arena(g.gap_bytes, g.full_page_bytes, g.swa_page_bytes, g.full_pages, g.swa_pages)
         self.in_flight = 0
         return super()._make_allocator(allocator_factory)
 
@@ -119,14 +104,11 @@ class UnifiedDecodeNode(DecodeNode):
     def _moves_allowed(self) -> bool:
         return self.in_flight == 0
 
-    def _admits(self, need_full, swa_fill, new_room_swa, room_full, room_swa, n_active) -> bool:
-        """SGLang's ``prealloc_fits`` (``sglang_prealloc_demand``; at page size 1 the SWA
-        side asks for the whole prompt and its reserve, as the full side) priced against
-        the arena in SGLang's whole pages, as after compaction when moves are allowed."""
+    def _fits(self, full_tokens: int, swa_tokens: int) -> bool:
+        """SGLang's ``prealloc_fits``: the demand in whole pages against the arena, as
+        after compaction when moves are allowed (``can_reserve``)."""
         ps = self.page_size
-        demand = sglang_prealloc_demand(self.window, need_full, swa_fill if ps > 1 else need_full, room_full,
-                                        n_active, self.arena.live(SWA) * ps)
-        return self.arena.fits(*(_cdiv(tokens, ps) for tokens in demand), compacted=self._moves_allowed())
+        return self.arena.fits(_cdiv(full_tokens, ps), _cdiv(swa_tokens, ps), compacted=self._moves_allowed())
 
     def _allocated(self, before: tuple[int, int], full_pages: int, swa_pages: int) -> None:
         after = self._free_pages()
@@ -184,18 +166,15 @@ class UnifiedDecodeNode(DecodeNode):
 
 class SharedDecodeNode(DecodeNode):
     """swa_ext's shared mode: one slot space and one free list for full and SWA pages
-    (``shared=True``). SGLang's decode node asks swa_ext's ``prealloc_fits`` for the same
-    tokens as it asks SGLang's arena (``sglang_prealloc_demand``), which the allocator
-    prices (``reservation_fits``: their pages' sum against the one free count), as
+    (``shared=True``). The allocator prices the decode node's demand
+    (``reservation_fits``: the pages of both sides against the one free count), as
     ``swa_ext/sglang/shared.py`` does."""
 
     def _make_allocator(self, allocator_factory):
         return allocator_factory(self.config.size_full, self.config.size_swa, self.page_size, shared=True)
 
-    def _admits(self, need_full, swa_fill, new_room_swa, room_full, room_swa, n_active) -> bool:
-        demand = sglang_prealloc_demand(self.window, need_full, swa_fill, room_full, n_active,
-                                        self.allocator.swa_used_size())
-        return self.allocator.reservation_fits(*demand)
+    def _fits(self, full_tokens: int, swa_tokens: int) -> bool:
+        return self.allocator.reservation_fits(full_tokens, swa_tokens)
 
 
 def node_class(budget: str) -> type[DecodeNode]:

@@ -14,8 +14,7 @@ from tqdm import tqdm
 
 from swa_ext.traces import Request
 
-from .scenario import (EVICTING, GIB, PolicyConfig, Scenario, _cdiv, capacity_bound, fits_empty_node,
-                       tail_swa_pages_bound)
+from .scenario import EVICTING, GIB, PolicyConfig, Scenario, _cdiv, capacity_bound, fits_empty_node
 
 @dataclass
 class PolicyResult:
@@ -146,6 +145,22 @@ def default_allocator(size_full: int, size_swa: int, page_size: int, shared: boo
     return SWATokenToKVPoolAllocator(size_full, size_swa, page_size, torch.bfloat16, "cpu")
 
 
+def sglang_prealloc_demand(window: int | None, need_full: int, swa_own: int, n_active: int, reserve: int,
+                           swa_in_use: int) -> tuple[int, int]:
+    """The tokens of each side SGLang 0.5.23's PD decode node asks its allocator's
+    ``prealloc_fits`` for, the per-side budgets folded back into the demand
+    (``disaggregation/decode.py``): on the full side the request's tokens and reserve
+    (``need_full``) and the reserve of the ``n_active`` active requests; on the SWA side the
+    request's own SWA tokens (``swa_own``; with the radix cache off, as on a decode node by
+    default, no SWA reserve of its own) and the active requests' reserve capped by what their
+    windows can still grow beyond the ``swa_in_use`` SWA tokens held
+    (``_swa_tail_allocatable_token_budget``). ``window`` None: SWA KV is never freed, so
+    nothing caps its growth."""
+    room = reserve * n_active
+    swa_room = room if window is None else min(room, max(0, n_active * window - swa_in_use))
+    return need_full + room, swa_own + swa_room
+
+
 def _max_resident(requests: list[Request], full_pages: int, page_size: int) -> int:
     """The most requests that can be resident at once: each holds at least its
     prompt's full pages. Sizes the req_to_token table."""
@@ -171,8 +186,6 @@ class DecodeNode:
         self.page_size = ps = scenario.page_size
         self.window = scenario.model.window
         self.reserve = scenario.reserved_decode_tokens
-        # The most SWA tokens a request holds under eviction (page granular).
-        self.swa_span = tail_swa_pages_bound(self.window, ps, config.eviction_interval) * ps
         self.requests = [r for r in scenario.requests if fits_empty_node(scenario, config, r)]
         # No allocator for a node that rejects every request: its pools may be empty.
         self.allocator = self._make_allocator(allocator_factory) if self.requests else None
@@ -209,14 +222,11 @@ class DecodeNode:
     def _make_allocator(self, allocator_factory):
         return allocator_factory(self.config.size_full, self.config.size_swa, self.page_size)
 
-    def _admits(self, need_full: int, swa_fill: int, new_room_swa: int, room_full: int, room_swa: int,
-                n_active: int) -> bool:
-        """Whether the pools hold a request's ``need_full`` full tokens (with its reserve)
-        and ``swa_fill`` SWA tokens plus ``new_room_swa`` room, beside the room kept for
-        the ``n_active`` running requests (``room_full``, ``room_swa``)."""
+    def _fits(self, full_tokens: int, swa_tokens: int) -> bool:
+        """Whether the pools hold this demand (``prealloc_fits`` of two separate pools:
+        each side against its own free count)."""
         alloc = self.allocator
-        return (need_full <= alloc.full_available_size() - room_full
-                and swa_fill + new_room_swa <= alloc.swa_available_size() - room_swa)
+        return full_tokens <= alloc.full_available_size() and swa_tokens <= alloc.swa_available_size()
 
     def _pre_alloc(self, row: int, fill: int):
         with self.watch:
@@ -242,14 +252,6 @@ class DecodeNode:
         """SWA tokens preallocated for a request of ``fill`` tokens."""
         return self._decode.swa_tail_len(fill, self._prealloc_window(fill), self.page_size)
 
-    def _swa_room(self, held: torch.Tensor) -> torch.Tensor:
-        """SWA decode room kept for requests holding ``held`` SWA tokens: the reserve,
-        but under eviction no more than they can still grow (at least one page, the
-        decode step allocates before it evicts)."""
-        if self.config.policy == "full":
-            return torch.full_like(held, self.reserve)
-        return (self.swa_span - held).clamp(min=self.page_size).clamp(max=self.reserve)
-
     def _transfer_gib(self, fill: int) -> float:
         """KV a request of ``fill`` tokens receives at preallocation."""
         m = self.scenario.model
@@ -266,22 +268,23 @@ class DecodeNode:
             self.next_arrival += 1
 
     def admit(self, step: int) -> None:
-        """FIFO while the pools hold the head request's KV and decode room for it and
-        for every running request (SGLang's ``num_reserved_decode_tokens``). A lone
-        request needs no room: it has the whole node, which it fits."""
+        """FIFO while the head request's demand fits (``sglang_prealloc_demand``, the one
+        admission rule of every column, priced by the column's ``_fits``). A lone request
+        needs no room: it has the whole node, which it fits."""
         ps = self.page_size
-        held_swa = torch.div(self.seq_lens + ps - 1, ps, rounding_mode="floor") * ps - self.evicted
-        room_full = self.reserve * len(self.batch_req)
-        room_swa = int(self._swa_room(held_swa).sum())
+        # Tail preallocation asks for the window tail on the SWA side; the whole-prompt
+        # policies ask for the prompt and its reserve on both, as SGLang does at page size 1.
+        whole_prompt = self.config.policy != "tail"
+        window = self.window if self.config.policy in EVICTING else None
         new_req, new_rows, new_seq, new_ev = [], [], [], []
         while self.queue and (self.config.max_running is None
                               or len(self.batch_req) + len(new_req) < self.config.max_running):
             i, fill = self.queue[0]
-            swa_fill = _cdiv(self._swa_fill(fill), ps) * ps
-            new_room_swa = int(self._swa_room(torch.tensor([swa_fill]))[0])
             n_active = len(self.batch_req) + len(new_req)
-            if n_active and not self._admits(_cdiv(fill, ps) * ps + self.reserve, swa_fill, new_room_swa, room_full,
-                                             room_swa, n_active):
+            need_full = _cdiv(fill, ps) * ps + self.reserve
+            swa_own = need_full if whole_prompt else _cdiv(self._swa_fill(fill), ps) * ps
+            if n_active and not self._fits(*sglang_prealloc_demand(window, need_full, swa_own, n_active, self.reserve,
+                                                                    self.allocator.swa_used_size())):
                 break
             got = self.req_pool.alloc(1)
             if got is None:
@@ -293,8 +296,6 @@ class DecodeNode:
             self.queue.popleft()
             self.waited[i] += step - self.enqueued_at[i]
             self.result.transfer_gib += self._transfer_gib(fill)
-            room_full += self.reserve
-            room_swa += new_room_swa
             new_req.append(i)
             new_rows.append(got[0])
             new_seq.append(fill)

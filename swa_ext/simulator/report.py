@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .node import PolicyResult
-from .runs import conclusion
-from .scenario import GIB, SGLANG, SGLANG_UNIFIED, SWA_EXT, SWA_EXT_SHARED, TUNED_ELSEWHERE, Scenario
+from .runs import conclusion, default_columns, left_out_columns
+from .scenario import (GIB, IN_SGLANG, SGLANG, SGLANG_UNIFIED, SWA_EXT, SWA_EXT_SHARED, TUNED_ELSEWHERE, Scenario,
+                       parent_page_k)
 
 # What each row of the table and of the JSON's per-column metrics means.
 ROW_DESCRIPTIONS = {
@@ -45,6 +46,24 @@ SWEEP_NOTE = ("not run: a ratio whose capacity bound is below the best mean_runn
               "cannot win (no run's mean exceeds its bound), so it is skipped")
 
 
+def _not_hybrid(scenario: Scenario, results: dict[str, PolicyResult]) -> str | None:
+    """The caveat of a model SGLang 0.5.23 does not serve hybrid, where its SGLang columns run."""
+    m = scenario.model
+    shown = [label for label in results if label in IN_SGLANG]
+    if m.sglang_hybrid or not shown:
+        return None
+    return (f"{m.name} is not served hybrid by SGLang 0.5.23 ({m.sglang_source}): {', '.join(shown)} are what SGLang "
+            f"would do if it did, not what it runs")
+
+
+def notes(scenario: Scenario, results: dict[str, PolicyResult]) -> list[str]:
+    """What the table does not say by itself: the caveat of a model SGLang does not serve
+    hybrid, and, in a run of every column, those left out for this model, with why."""
+    caveat = _not_hybrid(scenario, results)
+    left_out = (left_out_columns(scenario.model) if set(default_columns(scenario.model)) <= set(results) else {})
+    return ([caveat] if caveat else []) + [f"{label} left out: {why}" for label, why in left_out.items()]
+
+
 def report(scenario: Scenario, results: dict[str, PolicyResult]) -> dict:
     """The JSON report: the swa_ext version, the settings and model facts that tell two
     runs apart, each column's metrics, what each metric means and the conclusion."""
@@ -75,10 +94,18 @@ def report(scenario: Scenario, results: dict[str, PolicyResult]) -> dict:
             "full_layers": m.full_layers,
             "kv_heads": m.kv_heads,
             "head_dim": m.head_dim,
+            "v_head_dim": m.v_head_dim,
+            "swa_kv_heads": m.swa_kv_heads,
+            "swa_head_dim": m.swa_head_dim,
+            "swa_v_head_dim": m.swa_v_head_dim,
             "context_len": m.context_len,
             "full_bytes_per_token": m.full_bytes_per_token,
             "swa_bytes_per_token": m.swa_bytes_per_token,
+            "parent_page_k": parent_page_k(m),
+            "sglang_hybrid": m.sglang_hybrid,
+            "sglang_source": m.sglang_source,
         },
+        "notes": notes(scenario, results),
         "policies": {label: r.summary() for label, r in results.items()},
         "rows": ROW_DESCRIPTIONS,
         "conclusion": conclusion(scenario, results),
@@ -105,11 +132,19 @@ def _sweep_cell(point: dict) -> str:
     return text + (f" ({point['rejected']} rejected)" if point["rejected"] else "")
 
 
+def _kv_sides(m) -> str:
+    """Each side's layers, KV rows and KV bytes a token."""
+    sides = (("full", m.full_layers, m.kv_heads, m.head_dim, m.v_head_dim, m.full_bytes_per_token),
+             ("SWA", m.swa_layers, m.swa_kv_heads, m.swa_head_dim, m.swa_v_head_dim, m.swa_bytes_per_token))
+    return "; ".join(f"{side} layers {layers} x {heads} KV heads x {k if k == v else f'(K {k} + V {v})'}, "
+                     f"{per_token / 1024:g} KiB a token" for side, layers, heads, k, v, per_token in sides)
+
+
 def format_table(scenario: Scenario, results: dict[str, PolicyResult]) -> str:
     m = scenario.model
     lines = [
-        f"model {m.name}: window {m.window}, {m.swa_layers} SWA + {m.full_layers} full layers, "
-        f"{m.kv_heads} KV heads x {m.head_dim}; page {scenario.page_size}; KV memory {scenario.kv_memory_gib:g} GiB",
+        f"model {m.name}: window {m.window}; {_kv_sides(m)}; page {scenario.page_size}; "
+        f"KV memory {scenario.kv_memory_gib:g} GiB",
         f"trace {scenario.trace}: {len(scenario.requests)} requests replayed "
         f"({scenario.skipped_over_context} over context and {scenario.skipped_no_output} without output skipped); "
         f"step {scenario.step_ms:g} ms, time scale {scenario.time_scale:g}, "
@@ -117,6 +152,7 @@ def format_table(scenario: Scenario, results: dict[str, PolicyResult]) -> str:
         f"(swa_ext: 1), "
         + ("no cap on running requests" if scenario.max_running_requests is None
            else f"at most {scenario.max_running_requests} running requests"),
+        *(f"note: {line}" for line in notes(scenario, results)),
     ]
     labels = list(results)
     keys = PolicyResult.SUMMARY_KEYS
@@ -155,7 +191,8 @@ def format_conclusion(scenario: Scenario, results: dict[str, PolicyResult]) -> s
     c = conclusion(scenario, results)
     if c is None:
         return ""
-    lines = []
+    caveat = _not_hybrid(scenario, results)
+    lines = [f"not served hybrid: {caveat}"] if caveat else []
     if "one_budget" in c:
         lines.append(_one_budget_line(c["one_budget"]))
     if "swa_ext_vs_sglang" in c:

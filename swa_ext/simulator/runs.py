@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from .budgets import node_class
 from .node import PolicyResult, default_allocator
 from .scenario import (COLUMNS, SGLANG, SGLANG_DEFAULT_SWA_RATIO, SGLANG_UNIFIED, SWA_EXT, SWA_EXT_EVICTION_INTERVAL,
-                       SWA_EXT_SHARED, SWA_RATIO_SWEEP, TUNED_ELSEWHERE, PolicyConfig, Scenario, SimulationError, capacity_bound,
-                       fits_empty_node, policy_config, sglang_config, shared_config, unified_config)
+                       SWA_EXT_SHARED, SWA_RATIO_SWEEP, TUNED_ELSEWHERE, PolicyConfig, Scenario, SimulationError,
+                       capacity_bound, fits_empty_node, policy_config, sglang_config, shared_config, shared_refusal,
+                       unified_config, unified_refusal)
 
 
-def simulate(scenario: Scenario, policy: str, swa_ratio: float = SGLANG_DEFAULT_SWA_RATIO, *, allocator_factory=default_allocator,
-             progress: bool = False) -> PolicyResult:
+def simulate(scenario: Scenario, policy: str, swa_ratio: float = SGLANG_DEFAULT_SWA_RATIO, *,
+             allocator_factory=default_allocator, progress: bool = False) -> PolicyResult:
     """Replay the scenario under one policy at one SWA ratio."""
     return simulate_config(scenario, policy_config(scenario, policy, swa_ratio),
                            allocator_factory=allocator_factory, progress=progress)
@@ -29,12 +30,17 @@ def simulate_config(scenario: Scenario, config: PolicyConfig, *, allocator_facto
     return node.run(progress=progress, desc=f"{scenario.model.name} {config.policy} {ratio}")
 
 
+def left_out_columns(model) -> dict[str, str]:
+    """The columns the default run leaves out for this model, each with why: the one-budget
+    columns that cannot be built or priced for it (``unified_refusal``, ``shared_refusal``)."""
+    refusals = {SGLANG_UNIFIED: unified_refusal(model), SWA_EXT_SHARED: shared_refusal(model)}
+    return {label: why for label, why in refusals.items() if why is not None}
+
+
 def default_columns(model) -> tuple[str, ...]:
-    """Every column, less ``swa_ext_shared`` for a model whose full and SWA layers hold
-    different bytes per token (the shared mode refuses it)."""
-    if model.full_bytes_per_token == model.swa_bytes_per_token:
-        return COLUMNS
-    return tuple(c for c in COLUMNS if c != SWA_EXT_SHARED)
+    """Every column but those ``left_out_columns`` names."""
+    left_out = left_out_columns(model)
+    return tuple(c for c in COLUMNS if c not in left_out)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ SGLANG_UNIFIED = "sglang_unified"
 SWA_EXT_SHARED = "swa_ext_shared"
 # swa_ext at the SWA ratio its sweep finds best on another trace (``run``'s ``tuned_on``).
 TUNED_ELSEWHERE = "swa_ext_tuned_elsewhere"
+# The columns that are SGLang 0.5.23 itself or swa_ext inside it, as configured: a what-if
+# for a model SGLang does not serve hybrid (``ModelConfig.sglang_hybrid``).
+IN_SGLANG = (SGLANG, SWA_EXT, SGLANG_UNIFIED, SWA_EXT_SHARED, TUNED_ELSEWHERE)
 # How a column's KV memory is cut: two pools at a ratio, SGLang's byte arena, or
 # swa_ext's shared slots.
 SPLIT, ARENA, SHARED = "split", "arena", "shared"
@@ -233,45 +236,111 @@ def sglang_config(scenario: Scenario, interval: int | None = None, label: str = 
     return _checked(scenario, label, PolicyConfig("tail", ratio, size_full, size_swa, interval, max_running))
 
 
-def arena_page_bytes(model: ModelConfig, page_size: int) -> tuple[int, int]:
-    """Bytes of a full page and of an SWA page (SGLang's ``entry_bytes_per_page``)."""
-    return model.full_bytes_per_token * page_size, model.swa_bytes_per_token * page_size
+# SGLang pads a token's entry in its unified arena to this many bytes
+# (``mem_cache/layout/token_major.py``, ``ENTRY_ALIGN_BYTES``).
+ENTRY_ALIGN_BYTES = 32
 
 
-def arena_bytes(scenario: Scenario) -> int:
-    """The bytes an arena's allocations share: the KV memory less the two sink pages."""
-    full_page, swa_page = arena_page_bytes(scenario.model, scenario.page_size)
-    return int(scenario.kv_memory_gib * GIB) - full_page - swa_page
+def entry_bytes(model: ModelConfig) -> tuple[int, int]:
+    """Bytes of one token's full entry and SWA entry (every layer of the side) as SGLang
+    0.5.23's unified arena lays them out (``MHASubPoolSpec.entry_bytes``)."""
+    return tuple(_cdiv(b, ENTRY_ALIGN_BYTES) * ENTRY_ALIGN_BYTES
+                 for b in (model.full_bytes_per_token, model.swa_bytes_per_token))
+
+
+@dataclass(frozen=True)
+class ArenaGeometry:
+    """SGLang 0.5.23's ``--enable-unified-memory`` arena: a page's bytes on each side, the
+    free band between the two sides when both are empty, and the pages each side can
+    address (its index space past the sink; the SWA side also no more than the full
+    side's virtual page ids)."""
+
+    full_page_bytes: int
+    swa_page_bytes: int
+    gap_bytes: int
+    full_pages: int
+    swa_pages: int
+
+
+def arena_geometry(scenario: Scenario) -> ArenaGeometry:
+    """The arena SGLang builds for the scenario: its bytes are the two pools its
+    configurator sizes as for the ``sglang`` column (``_unified_pool_bytes``); each side's
+    index space is those bytes over its page (``UnifiedKVPool``), its first pages covered
+    by the sink, one page of the larger entry at the low end (``_reserved_floor_bytes``);
+    the full side grows down from its top page, the SWA side up from past the sink
+    (``_empty_shared_gap_bytes``)."""
+    m, ps = scenario.model, scenario.page_size
+    sized = sglang_config(scenario, label=SGLANG_UNIFIED)
+    total = sized.size_full * m.full_bytes_per_token + sized.size_swa * m.swa_bytes_per_token
+    entries = entry_bytes(m)
+    sink = ps * max(entries)
+    # Per side: (pages of its index space, its first page past the sink).
+    (full_top, full_first), (swa_top, swa_first) = ((total // e // ps, _cdiv(_cdiv(sink, e), ps)) for e in entries)
+    full_pages = full_top - full_first
+    return ArenaGeometry(ps * entries[0], ps * entries[1], full_top * ps * entries[0] - swa_first * ps * entries[1],
+                         full_pages, min(full_pages, swa_top - swa_first))
+
+
+def unified_refusal(model: ModelConfig) -> str | None:
+    """Why SGLang's unified arena cannot be built for this model, or None
+    (``init_unified_swa_pools`` asserts both kinds of layer)."""
+    if model.full_layers and model.swa_layers:
+        return None
+    return (f"{model.name} has no full-attention layers, and one budget for full and SWA KV needs both kinds "
+            f"(SGLang's init_unified_swa_pools asserts them)")
 
 
 def unified_config(scenario: Scenario, interval: int | None = None) -> PolicyConfig:
     """SGLang 0.5.23's ``--enable-unified-memory`` node (``init_unified_swa_pools``): one
-    byte arena of the KV memory, the full side from the top, the SWA side from the bottom,
-    each addressing the whole arena less its sink page (page 0), the SWA side no more pages
-    than the full side's virtual ids. At page size 1 its decode node preallocates whole
-    prompts on both sides (``_uses_swa_tail_prealloc`` needs a page size above 1), so the
-    column's policy is ``evict`` there, ``tail`` above."""
+    byte arena (``arena_geometry``), the full side from the top, the SWA side from the
+    bottom. At page size 1 its decode node preallocates whole prompts on both sides
+    (``_uses_swa_tail_prealloc`` needs a page size above 1), so the column's policy is
+    ``evict`` there, ``tail`` above."""
+    refusal = unified_refusal(scenario.model)
+    if refusal is not None:
+        raise SimulationError(f"the {SGLANG_UNIFIED!r} column cannot run: {refusal}")
     ps = scenario.page_size
-    full_page, swa_page = arena_page_bytes(scenario.model, ps)
-    total = int(scenario.kv_memory_gib * GIB)
-    full_pages = total // full_page
-    swa_pages = min(total // swa_page, full_pages)
+    arena = arena_geometry(scenario)
     policy = "tail" if ps > 1 else "evict"
     interval = scenario.eviction_interval if interval is None else interval
-    return _checked(scenario, SGLANG_UNIFIED, PolicyConfig(policy, None, (full_pages - 1) * ps, (swa_pages - 1) * ps,
+    return _checked(scenario, SGLANG_UNIFIED, PolicyConfig(policy, None, arena.full_pages * ps, arena.swa_pages * ps,
                                                            interval, scenario.max_running_requests, ARENA))
+
+
+def parent_page_k(model: ModelConfig) -> int:
+    """Pages of the smaller entry a parent page of the shared mode holds: the larger entry
+    over the smaller, rounded up (the larger padded to k smaller ones; issue 49). For a
+    model with both kinds of layer."""
+    small, large = sorted(entry_bytes(model))
+    return _cdiv(large, small)
+
+
+def shared_refusal(model: ModelConfig) -> str | None:
+    """Why the ``swa_ext_shared`` column cannot be priced for this model, or None. swa_ext's
+    shared mode holds a full or an SWA token in one slot, so it serves k = 1 only; for k > 1
+    the native parent pages, not yet in swa_ext, decide the padding and stranding, and the
+    simulator runs the real allocator or nothing. Like SGLang's arena it needs both kinds
+    of layer."""
+    refusal = unified_refusal(model)
+    if refusal is not None:
+        return refusal
+    k = parent_page_k(model)
+    if k == 1:
+        return None
+    full, swa = entry_bytes(model)
+    return (f"{model.name} holds {full} B of full and {swa} B of SWA KV a token, so the shared mode needs parent "
+            f"pages of k = {k}, which swa_ext's allocator does not have yet (it serves k = 1)")
 
 
 def shared_config(scenario: Scenario) -> PolicyConfig:
     """swa_ext's shared mode (``shared=True``): one slot space whose slot holds a full or an
-    SWA token's KV, so a model whose full and SWA layers hold the same bytes per token
-    (gpt-oss); the KV memory over those bytes, in whole pages (the full tokens
-    plus the SWA tokens a fixed split of the same memory has, give or take its rounding)."""
+    SWA token's KV (k = 1, ``shared_refusal``); the KV memory over those bytes, in whole
+    pages (the full tokens plus the SWA tokens a fixed split of the same memory has, give
+    or take its rounding)."""
     m, ps = scenario.model, scenario.page_size
-    if m.full_bytes_per_token != m.swa_bytes_per_token:
-        raise SimulationError(
-            f"the {SWA_EXT_SHARED!r} column needs a model whose full and SWA layers hold the same KV bytes per token "
-            f"(gpt-oss): {m.name} has {m.full_layers} full and {m.swa_layers} SWA layers")
+    refusal = shared_refusal(m)
+    if refusal is not None:
+        raise SimulationError(f"the {SWA_EXT_SHARED!r} column cannot run: {refusal}")
     slots = int(scenario.kv_memory_gib * GIB // m.full_bytes_per_token) // ps * ps
     return _checked(scenario, SWA_EXT_SHARED, PolicyConfig("tail", None, slots, slots, SWA_EXT_EVICTION_INTERVAL,
                                                            scenario.max_running_requests, SHARED))
@@ -294,10 +363,10 @@ def fits_empty_node(scenario: Scenario, config: PolicyConfig, request: Request) 
     if config.budget == SHARED:
         return full + swa <= config.size_full // ps
     if config.budget == ARENA:
-        full_page, swa_page = arena_page_bytes(scenario.model, ps)
+        arena = arena_geometry(scenario)
         admission = _cdiv(request.prompt_len, ps) + _cdiv(scenario.reserved_decode_tokens, ps)
         return (full <= config.size_full // ps and swa <= config.size_swa // ps
-                and max(full, admission) * full_page + swa * swa_page <= arena_bytes(scenario))
+                and max(full, admission) * arena.full_page_bytes + swa * arena.swa_page_bytes <= arena.gap_bytes)
     return full <= config.size_full // ps and swa <= config.size_swa // ps
 
 
@@ -338,13 +407,14 @@ def capacity_bound(scenario: Scenario, config: PolicyConfig, requests: list[Requ
             swa_page_steps += full - (_sum_floor(end - window, ps) - _sum_floor(start - window, ps))
     if not decode_steps:
         return 0.0
-    if config.budget != SPLIT:
-        # One budget: its bytes over the bytes a running request holds at least.
-        full_page, swa_page = arena_page_bytes(scenario.model, ps)
-        if config.budget == SHARED:
-            full_page = swa_page = 1
-        budget = config.size_full // ps if config.budget == SHARED else arena_bytes(scenario)
-        return budget * decode_steps / (full_page_steps * full_page + swa_page_steps * swa_page)
+    if config.budget == SHARED:
+        # One budget: its pages over the pages a running request holds at least.
+        return config.size_full // ps * decode_steps / (full_page_steps + swa_page_steps)
+    if config.budget == ARENA:
+        # Its bytes over the bytes a running request holds at least.
+        arena = arena_geometry(scenario)
+        return arena.gap_bytes * decode_steps / (full_page_steps * arena.full_page_bytes
+                                                 + swa_page_steps * arena.swa_page_bytes)
     return min(
         config.size_full // ps * decode_steps / full_page_steps,
         config.size_swa // ps * decode_steps / swa_page_steps,
