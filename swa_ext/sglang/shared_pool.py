@@ -149,8 +149,10 @@ def one_budget_slots(full, swa, *, layer_pairs, draft_layers, page_size):
 def shared_sizes(configurator, config):
     """SGLang's resolved pool config with both sides, and a draft model's pool, at the one
     budget's slots (``one_budget_slots``: the same KV bytes), or the config as it is where
-    the shared mode has nothing to size (a draft worker takes its target's)."""
-    if not configurator.is_hybrid_swa or configurator.is_draft_worker or get_memory().enable_unified_memory:
+    the shared mode has nothing to size. A draft worker never resolves a config of its own:
+    SGLang hands it its target's (``KVCacheConfigurator.configure``), so its pool is built
+    at these slots."""
+    if not configurator.is_hybrid_swa or get_memory().enable_unified_memory:
         return config
     reason = refusal(configurator)
     if reason is not None:

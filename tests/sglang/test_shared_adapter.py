@@ -207,7 +207,7 @@ def configurator(full_layers=1, swa_layers=1, swa_heads=1, algorithm="NONE", hyb
                                    swa_attention_layer_ids=list(range(full_layers, full_layers + swa_layers)))
     model = torch.nn.ModuleList([attention_layer(i, -1 if i < full_layers or i in windowless else 63)
                                  for i in range(full_layers + swa_layers)])
-    return types.SimpleNamespace(is_hybrid_swa=hybrid, is_draft_worker=False, layer_info=layers, model_config=config,
+    return types.SimpleNamespace(is_hybrid_swa=hybrid, layer_info=layers, model_config=config,
                                  model=model, spec_algorithm=spec, spec_aux_config=aux, page_size=PAGE,
                                  post_capture_kv_active=False, use_mla_backend=False, is_hybrid_swa_compress=False)
 
