@@ -214,12 +214,14 @@ def test_ngram_speculative_decoding_in_the_shared_mode(tiny_model):
 # tiny gpt-oss (two pairs of layers, a one-layer EAGLE3 draft), SGLang's dummy weights widened
 # to +-DUMMY_WEIGHTS (at SGLang's +-1e-3 the target repeats one token whatever its KV); with
 # --slow, STANDALONE on the tiny Granite-SWA with test_spec_engine's one-layer Llama draft.
-DRAFT_CASES = [("gpt-oss", "EAGLE3", 3), pytest.param("granite", "STANDALONE", 2, marks=pytest.mark.slow)]
+DRAFT_CASES = [("gpt-oss", "EAGLE3", 3)]
+SLOW_DRAFT_CASES = [("granite", "STANDALONE", 2)]
 DUMMY_WEIGHTS = 0.2
 
 
-@pytest.mark.parametrize("target,algorithm,draft_tokens", DRAFT_CASES,
-                         ids=[f"{c[0]}-{c[1]}" for c in [("gpt-oss", "EAGLE3"), ("granite", "STANDALONE")]])
+@pytest.mark.parametrize("target,algorithm,draft_tokens",
+                         DRAFT_CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_DRAFT_CASES],
+                         ids=[f"{t}-{a}" for t, a, _ in DRAFT_CASES + SLOW_DRAFT_CASES])
 def test_a_draft_model_in_the_shared_mode(tiny_model, draft_model, gpt_oss_models, target, algorithm, draft_tokens):
     """A draft model's KV is indexed by the target's full slots, which in one slot space may
     be any slot: its pool covers every slot, in a slot count that keeps target and draft
