@@ -54,6 +54,7 @@ TEST_AND_BUILD_VARIABLES = {
     "SWA_EXT_PD_PROBE_DIR": "tests/sglang: the PD probe's output folder",
     "SWA_EXT_SPEC_BRIDGES": "tests/sglang: speculative decoding bridges",
     "SWA_EXT_TEST_KV_FAULT": "tests/sglang: a planted KV fault",
+    "SWA_EXT_TEST_DUMMY_WEIGHTS": "tests/sglang: the range of SGLang's dummy weights",
     "SWA_EXT_EVICT_TIMES": "tests/sglang: the eviction timer's output",
     "SWA_EXT_FAULTS_LOAD_WAVES": "tests/sglang/test_faults.py: the load waves",
 }

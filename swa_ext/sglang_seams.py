@@ -116,6 +116,14 @@ SEAMS = (
      "enable_memory_saver, kwargs"),
     ("sglang.srt.mem_cache.swa_memory_pool", "SWAKVPool.get_kv_size_bytes", "self"),
     ("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool._create_buffers_normal", "self"),
+    # shared_pool.py: a draft model's KV in the one budget: which drafts SGLang prices per
+    # full token, the draft layers it prices, the draft's shape.
+    (_RUNTIME, "get_spec", ""),
+    *((_CONFIGURATOR, f"KVCacheConfigurator().{name}", None) for name in ("spec_aux_config", "page_size")),
+    *(("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state",
+       f"SpecAuxHiddenStateConfig.{name}", None) for name in ("eagle_draft_num_layers", "eagle_draft_swa_num_layers")),
+    *(("sglang.srt.speculative.spec_info", f"SpeculativeAlgorithm.{name}", "self")
+      for name in ("is_speculative", "is_ngram", "is_eagle", "is_frozen_kv_mtp", "is_standalone")),
     # shared_pool.py: each attention layer's id and window, against the pool's layer split.
     *(("sglang.srt.layers.radix_attention", f"RadixAttention().{name}", None)
       for name in ("layer_id", "sliding_window_size")),

@@ -10,6 +10,12 @@ slot to one kind). So the shared mode turns SGLang's two sizes into one slot cou
 ``full + swa`` for both sides, and ``SharedSWAKVPool`` (an ``SWAKVPool``, as SGLang's
 isinstance checks need) gives its SWA layers views of its full layers' buffers.
 
+A draft model (EAGLE, EAGLE3, STANDALONE) shares the target's allocator and keeps its KV
+in a pool of its own indexed by the target's full slots, sized by SGLang at the target's
+token count and priced per full token. In one slot space a full token may sit at any
+slot, so the draft's KV covers every slot, and the slot count is solved so that target
+and draft together fit the bytes SGLang sized (``one_budget_slots``).
+
 Every configuration this cannot serve is refused at start-up with one line saying what
 is served (``refusal``): swa_ext then serves nothing rather than half of it.
 """
@@ -20,7 +26,7 @@ import logging
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-from sglang.srt.runtime_context import attention_backends, get_memory, get_parallel
+from sglang.srt.runtime_context import attention_backends, get_memory, get_parallel, get_spec
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +39,8 @@ MAPPED_READ_BACKENDS = ("triton", "fa3", "fa4", "flashinfer", "trtllm_mha", "int
 
 SERVED = ("SWA_EXT_SGLANG=shared serves hybrid models whose full and SWA layers are equal in number and in KV bytes "
           "per token (gpt-oss, alternating Granite-SWA), with an unquantized MHA KV cache on cpu or cuda, "
-          f"attention backend {', '.join(MAPPED_READ_BACKENDS)}, no draft model (NGRAM speculation is served) and "
+          f"attention backend {', '.join(MAPPED_READ_BACKENDS)}, speculative decoding NGRAM or a draft model without "
+          "sliding-window layers drafting one chain (EAGLE, EAGLE3, STANDALONE at --speculative-eagle-topk 1) and "
           "swa_ext's own allocator")
 
 
@@ -86,11 +93,40 @@ def _attention_backend_reason():
     return None
 
 
+def _has_draft_model(algorithm):
+    """Whether the speculative algorithm runs a draft model whose KV SGLang prices per full
+    token and builds in a pool of its own (FROZEN_KV_MTP, which SGLang counts as EAGLE,
+    sizes its draft pool its own way)."""
+    return (algorithm.is_eagle() and not algorithm.is_frozen_kv_mtp()) or algorithm.is_standalone()
+
+
+def _draft_reason(configurator):
+    """Why the shared mode cannot serve this configuration's speculative decoding, or None."""
+    algorithm = configurator.spec_algorithm
+    if not algorithm.is_speculative() or algorithm.is_ngram():
+        return None
+    if not _has_draft_model(algorithm):
+        return f"speculative decoding {algorithm.name} (its draft KV is sized apart from the target's tokens)"
+    aux = configurator.spec_aux_config
+    if aux.eagle_draft_swa_num_layers is not None:
+        # Its own SWA pool and mapping: SGLang registers the allocator's mapping on the
+        # target's pool alone, and in one slot space a draft SWA layer's KV would share
+        # its full layer's rows.
+        return "a draft model with sliding-window layers (SGLang builds its KV hybrid)"
+    if not aux.eagle_draft_num_layers:
+        return "a draft model whose KV SGLang prices at no layers"
+    topk = get_spec().speculative_eagle_topk
+    if topk is not None and topk > 1:
+        # Tree verify moves accepted tokens' KV inside the target's pool; no engine here
+        # runs tree-mask attention, so one slot space is untried there (SGLang's unified
+        # memory refuses it too).
+        return f"tree drafts (--speculative-eagle-topk {topk}; --speculative-eagle-topk 1 serves)"
+    return None
+
+
 def refusal(configurator):
     """Why the shared mode cannot serve what this configurator builds, or None."""
-    if configurator.spec_algorithm.is_speculative() and not configurator.spec_algorithm.is_ngram():
-        return "a draft model's KV (speculative decoding other than NGRAM)"
-    reason = _attention_backend_reason() or _layer_kind_reason(configurator)
+    reason = _draft_reason(configurator) or _attention_backend_reason() or _layer_kind_reason(configurator)
     if reason is not None:
         return reason
     if configurator.post_capture_kv_active:
@@ -98,18 +134,37 @@ def refusal(configurator):
     return _layer_mix_reason(configurator)
 
 
+def one_budget_slots(full, swa, *, layer_pairs, draft_layers, page_size):
+    """The slots of one budget, page-aligned down, in the KV bytes SGLang sized: ``full``
+    tokens of the full layers and ``swa`` of the SWA layers (``layer_pairs`` of each, one KV
+    row a token each), and ``draft_layers`` of a draft model at ``full`` tokens, each priced
+    at the target's row (SGLang's pool_configurator: "the draft shares the target's
+    per-layer KV size"). Every slot holds a layer pair's row and, since the draft's pool is
+    indexed by full slots and a full token may take any slot, the draft's rows too: without
+    a draft, ``full + swa``."""
+    rows = full * (layer_pairs + draft_layers) + swa * layer_pairs
+    return rows // (layer_pairs + draft_layers) // page_size * page_size
+
+
 def shared_sizes(configurator, config):
-    """SGLang's resolved pool config with both sides at ``full + swa`` slots (the same KV
-    bytes), or the config as it is where the shared mode has nothing to size."""
-    if not configurator.is_hybrid_swa or configurator.is_draft_worker or get_memory().enable_unified_memory:
+    """SGLang's resolved pool config with both sides, and a draft model's pool, at the one
+    budget's slots (``one_budget_slots``: the same KV bytes), or the config as it is where
+    the shared mode has nothing to size. A draft worker never resolves a config of its own:
+    SGLang hands it its target's (``KVCacheConfigurator.configure``), so its pool is built
+    at these slots."""
+    if not configurator.is_hybrid_swa or get_memory().enable_unified_memory:
         return config
     reason = refusal(configurator)
     if reason is not None:
         raise SharedModeRefused(reason)
     full, swa = config.full_max_total_num_tokens, config.swa_max_total_num_tokens
-    slots = full + swa
-    logger.info("swa_ext: shared mode: one budget of %d slots for full and SWA KV, in the bytes SGLang sized for "
-                "%d full and %d SWA tokens", slots, full, swa)
+    pairs = len(configurator.layer_info.full_attention_layer_ids)
+    draft = configurator.spec_aux_config.eagle_draft_num_layers if _has_draft_model(configurator.spec_algorithm) else 0
+    slots = one_budget_slots(full, swa, layer_pairs=pairs, draft_layers=draft, page_size=configurator.page_size)
+    draft_share = (f" and a draft model's KV at the {full} full tokens; the draft's KV covers every slot: {draft} of "
+                   f"{pairs + draft} KV rows a slot, {100 * draft / (pairs + draft):.1f}% of the budget") if draft else ""
+    logger.info("swa_ext: shared mode: one budget of %d slots for full and SWA KV, in the bytes SGLang sized for %d full "
+                "and %d SWA tokens%s", slots, full, swa, draft_share)
     config.max_total_num_tokens = config.full_max_total_num_tokens = config.swa_max_total_num_tokens = slots
     return config
 

@@ -11,6 +11,7 @@ from sglang.srt.mem_cache.allocator import swa as sglang_swa
 from sglang.srt.mem_cache.prefill_budget import SharedSWAPrefillBudget
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 import swa_ext
 import swa_ext.sglang as adapter
@@ -192,19 +193,23 @@ def attention_layer(layer_id, sliding_window_size):
     return layer
 
 
-def configurator(full_layers=1, swa_layers=1, swa_heads=1, algorithm="NONE", hybrid=True, windowless=()):
+def configurator(full_layers=1, swa_layers=1, swa_heads=1, algorithm="NONE", hybrid=True, windowless=(),
+                 draft_layers=None, draft_swa_layers=None):
     """SGLang's KV cache configurator as the shared mode reads it: full layers first, then
-    SWA layers, whose attention has a window of 63 tokens unless its id is in ``windowless``."""
-    spec = types.SimpleNamespace(is_speculative=lambda: algorithm != "NONE", is_ngram=lambda: algorithm == "NGRAM")
+    SWA layers, whose attention has a window of 63 tokens unless its id is in ``windowless``;
+    a draft model of ``draft_layers`` (``draft_swa_layers`` of them sliding-window ones),
+    as SGLang's spec_aux_config counts them for the target."""
+    spec = SpeculativeAlgorithm.from_string(algorithm)
+    aux = types.SimpleNamespace(eagle_draft_num_layers=draft_layers, eagle_draft_swa_num_layers=draft_swa_layers)
     config = types.SimpleNamespace(get_num_kv_heads=lambda tp: 1, get_swa_num_kv_heads=lambda tp: swa_heads,
                                    head_dim=32, v_head_dim=32, swa_head_dim=32, swa_v_head_dim=32)
     layers = types.SimpleNamespace(full_attention_layer_ids=list(range(full_layers)),
                                    swa_attention_layer_ids=list(range(full_layers, full_layers + swa_layers)))
     model = torch.nn.ModuleList([attention_layer(i, -1 if i < full_layers or i in windowless else 63)
                                  for i in range(full_layers + swa_layers)])
-    return types.SimpleNamespace(is_hybrid_swa=hybrid, is_draft_worker=False, layer_info=layers, model_config=config,
-                                 model=model, spec_algorithm=spec, post_capture_kv_active=False, use_mla_backend=False,
-                                 is_hybrid_swa_compress=False)
+    return types.SimpleNamespace(is_hybrid_swa=hybrid, layer_info=layers, model_config=config,
+                                 model=model, spec_algorithm=spec, spec_aux_config=aux, page_size=PAGE,
+                                 post_capture_kv_active=False, use_mla_backend=False, is_hybrid_swa_compress=False)
 
 
 def pool_config(full=4096, swa=3264):
@@ -217,6 +222,7 @@ def runtime(monkeypatch):
     monkeypatch.setattr(shared_pool, "get_memory", lambda: types.SimpleNamespace(enable_unified_memory=False))
     monkeypatch.setattr(shared_pool, "get_parallel", lambda: types.SimpleNamespace(attn_tp_size=1))
     monkeypatch.setattr(shared_pool, "attention_backends", lambda: ("triton", "triton"))
+    monkeypatch.setattr(shared_pool, "get_spec", lambda: types.SimpleNamespace(speculative_eagle_topk=1))
 
 
 def test_one_slot_count_in_the_bytes_of_sglangs_two_pools(runtime):
@@ -227,10 +233,48 @@ def test_one_slot_count_in_the_bytes_of_sglangs_two_pools(runtime):
     assert shared_pool.shared_sizes(configurator(algorithm="NGRAM"), pool_config()).max_total_num_tokens == 7360
 
 
+@pytest.mark.parametrize("full,swa", [(4096, 3264), (8192, 6544), (320, 320), (65536, 0), (16, 1 << 20)])
+@pytest.mark.parametrize("pairs", [1, 2, 12, 18])
+@pytest.mark.parametrize("draft_layers", [0, 1, 3])
+def test_the_one_budget_holds_target_and_draft_in_sglangs_bytes(full, swa, pairs, draft_layers):
+    """Each slot holds a layer pair's KV row and, a draft model's pool being indexed by the
+    full slots that may be any slot, the draft's rows too (each priced at the target's row,
+    as SGLang prices them): the most page-aligned slots whose rows fit SGLang's, its two
+    pools' plus the draft's at the full token count. Without a draft, full + swa exactly."""
+    slots = shared_pool.one_budget_slots(full, swa, layer_pairs=pairs, draft_layers=draft_layers, page_size=PAGE)
+    sglang_rows = full * (pairs + draft_layers) + swa * pairs
+    assert slots % PAGE == 0
+    assert slots * (pairs + draft_layers) <= sglang_rows < (slots + PAGE) * (pairs + draft_layers)
+    if draft_layers == 0:
+        assert slots == full + swa
+    assert slots >= full  # never fewer slots than SGLang's full pool: every request it admits fits
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE"])
+def test_a_draft_models_pool_spans_the_slots_that_fit_sglangs_bytes(runtime, caplog, algorithm):
+    """The config a draft worker builds its pool from (its target's) holds the one budget's
+    slots at both sides and as the token count, and the start-up line gives the draft's share."""
+    caplog.set_level("INFO", logger=shared_pool.logger.name)
+    config = shared_pool.shared_sizes(configurator(full_layers=12, swa_layers=12, algorithm=algorithm,
+                                                   draft_layers=1), pool_config())
+    slots = shared_pool.one_budget_slots(4096, 3264, layer_pairs=12, draft_layers=1, page_size=PAGE)
+    assert slots < 4096 + 3264
+    assert (config.max_total_num_tokens, config.full_max_total_num_tokens, config.swa_max_total_num_tokens) == \
+        (slots, slots, slots)
+    line, = [r.getMessage() for r in caplog.records if "one budget" in r.getMessage()]
+    assert line.endswith(f"one budget of {slots} slots for full and SWA KV, in the bytes SGLang sized for 4096 full "
+                         f"and 3264 SWA tokens and a draft model's KV at the 4096 full tokens; the draft's KV covers "
+                         f"every slot: 1 of 13 KV rows a slot, {100 / 13:.1f}% of the budget")
+
+
 @pytest.mark.parametrize("kwargs,why", [
     (dict(full_layers=1, swa_layers=5), "5 SWA layers to 1 full layers"),
     (dict(swa_heads=2), "KV heads and head dims (K, V) (2, 32, 32) on the SWA layers, (1, 32, 32) on the full"),
-    (dict(algorithm="EAGLE"), "a draft model's KV"),
+    (dict(algorithm="DFLASH", draft_layers=1), "speculative decoding DFLASH (its draft KV is sized apart"),
+    (dict(algorithm="FROZEN_KV_MTP", draft_layers=1), "speculative decoding FROZEN_KV_MTP"),
+    (dict(algorithm="EAGLE", draft_layers=2, draft_swa_layers=1), "a draft model with sliding-window layers"),
+    (dict(algorithm="STANDALONE", draft_layers=2, draft_swa_layers=0), "a draft model with sliding-window layers"),
+    (dict(algorithm="EAGLE3"), "a draft model whose KV SGLang prices at no layers"),
     # An architecture SGLang builds hybrid (GraniteSWAForCausalLM) with a config whose
     # attention has no window (model_type granite): its SWA layers would read full slots.
     (dict(full_layers=2, swa_layers=2, windowless=(2, 3)), "layers [2, 3] are kept as SWA layers by SGLang's KV "
@@ -238,6 +282,17 @@ def test_one_slot_count_in_the_bytes_of_sglangs_two_pools(runtime):
 ])
 def test_what_the_shared_mode_cannot_serve_is_one_line_naming_what_it_serves(runtime, kwargs, why):
     check_refused_in_one_line(kwargs, why)
+
+
+def test_tree_drafts_are_refused_and_one_chain_served(runtime, monkeypatch):
+    """Tree verify (topk > 1) moves accepted tokens' KV inside the target's pool: no engine
+    here runs tree-mask attention, so it is refused in one slot space, naming what serves."""
+    monkeypatch.setattr(shared_pool, "get_spec", lambda: types.SimpleNamespace(speculative_eagle_topk=4))
+    check_refused_in_one_line(dict(algorithm="EAGLE3", draft_layers=1),
+                              "tree drafts (--speculative-eagle-topk 4; --speculative-eagle-topk 1 serves)")
+    for topk in (1, None):
+        monkeypatch.setattr(shared_pool, "get_spec", lambda: types.SimpleNamespace(speculative_eagle_topk=topk))
+        assert shared_pool.refusal(configurator(algorithm="EAGLE3", draft_layers=1)) is None
 
 
 @pytest.mark.parametrize("backends", [("torch_native", "torch_native"), ("triton", "torch_native"),

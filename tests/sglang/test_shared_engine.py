@@ -8,7 +8,9 @@ on the CPU, SGLang's strict memory and KV-page checks on, each run its own proce
   windows): at the same KV bytes the shared mode runs at least 1.3x the requests at
   once, read from the scheduler's own decode log (``#running-req``);
 - NGRAM speculative decoding (tests/sglang/spec_engine_run.py, a pool that makes requests
-  wait): SGLang's outputs and verify counts.
+  wait): SGLang's outputs and verify counts;
+- a draft model, its KV at every slot of the one budget: EAGLE3 on the tiny gpt-oss
+  (with --slow, STANDALONE on the tiny Granite-SWA): SGLang's outputs, no out of memory.
 """
 import json
 import os
@@ -20,7 +22,7 @@ import capacity_run
 from conftest import TINY_PAIRS, model_config, write_checkpoint
 import pd_harness
 from test_engine import DEFAULT_POOL, run_engines, run_script, swa_ext_lines
-from test_spec_engine import run_spec_engine
+from test_spec_engine import draft_model, gpt_oss_models, run_spec_engine  # noqa: F401 (fixtures)
 from swa_ext.sglang.installer import REFUSED_EXIT_STATUS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,6 +30,9 @@ SHARED_LINE = re.compile(r"swa_ext: shared mode: one budget of (\d+) slots for f
                          r"sized for (\d+) full and (\d+) SWA tokens")
 SLOT_KINDS_CHECKED = "swa_ext: SWA_EXT_DEBUG=1: each scheduler step checks that no slot holds a full and an SWA token"
 SGLANG_SIZES = re.compile(r"full_layer_tokens=(\d+), swa_layer_tokens=(\d+)")
+DRAFT_SHARE = re.compile(r"and a draft model's KV at the (\d+) full tokens; the draft's KV covers every slot: (\d+) of "
+                         r"(\d+) KV rows a slot, ([\d.]+)% of the budget")
+KV_POOL_TOKENS = re.compile(r"KV Cache is allocated\. .*?#tokens: (\d+)")
 
 
 def sizes(log):
@@ -203,3 +208,61 @@ def test_ngram_speculative_decoding_in_the_shared_mode(tiny_model):
     # The comparison can fail: SWA-layer KV written one slot off gives other tokens.
     assert faulty.rows is not None, f"the run with a planted fault failed:\n{faulty.log[-6000:]}"
     assert [r["output_ids"] for r in faulty.rows] != [r["output_ids"] for r in reference.rows]
+
+
+# Draft models in the one budget: (target, algorithm, draft tokens). EAGLE3 on test_spec_engine's
+# tiny gpt-oss (two pairs of layers, a one-layer EAGLE3 draft), SGLang's dummy weights widened
+# to +-DUMMY_WEIGHTS (at SGLang's +-1e-3 the target repeats one token whatever its KV); with
+# --slow, STANDALONE on the tiny Granite-SWA with test_spec_engine's one-layer Llama draft.
+DRAFT_CASES = [("gpt-oss", "EAGLE3", 3)]
+SLOW_DRAFT_CASES = [("granite", "STANDALONE", 2)]
+DUMMY_WEIGHTS = 0.2
+
+
+@pytest.mark.parametrize("target,algorithm,draft_tokens",
+                         DRAFT_CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_DRAFT_CASES],
+                         ids=[f"{t}-{a}" for t, a, _ in DRAFT_CASES + SLOW_DRAFT_CASES])
+def test_a_draft_model_in_the_shared_mode(tiny_model, draft_model, gpt_oss_models, target, algorithm, draft_tokens):
+    """A draft model's KV is indexed by the target's full slots, which in one slot space may
+    be any slot: its pool covers every slot, in a slot count that keeps target and draft
+    within the bytes SGLang sized (its two pools and the draft's at its full token count).
+    test_spec_engine.py's pool of 320 tokens a side (requests wait), page 16, eviction every
+    step: the outputs and cached tokens of SGLang's allocator, no out of memory; the same
+    run with SWA-layer KV written one slot off gives other tokens."""
+    if target == "gpt-oss":
+        (model, draft), load_format, weights = gpt_oss_models, "dummy", DUMMY_WEIGHTS
+    else:
+        model, draft, load_format, weights = tiny_model, draft_model, "auto", None
+    runs = pd_harness.two_at_a_time(run_spec_engine, [
+        (model, draft, algorithm, draft_tokens, 16, 1, mode, load_format, fault, weights)
+        for mode, fault in (("sglang", None), ("shared", None), ("shared", "write_row_off"))])
+    reference, shared, faulty = runs.values()
+    assert reference.rows is not None, f"SGLang's own run failed:\n{reference.log[-6000:]}"
+    assert shared.rows is not None, f"the shared run failed:\n{shared.log[-6000:]}"
+    for key in ("output_ids", "cached_tokens"):
+        assert [r[key] for r in shared.rows] == [r[key] for r in reference.rows], key
+    assert all(0 < r["spec_verify_ct"] <= len(r["output_ids"]) for r in shared.rows), shared.rows
+    assert "out of memory" not in shared.log.lower()
+    assert SLOT_KINDS_CHECKED in shared.log
+
+    # The slots: target and draft rows together within SGLang's bytes, as many as fit.
+    (full, swa), (slots, _, _) = sizes(shared.log)
+    pairs, draft_layers = TINY_PAIRS, 1
+    (draft_full, rows_of_draft, rows_a_slot, share), = DRAFT_SHARE.findall(shared.log)
+    assert (int(draft_full), int(rows_of_draft), int(rows_a_slot)) == (full, draft_layers, pairs + draft_layers)
+    assert float(share) == round(100 * draft_layers / (pairs + draft_layers), 1)
+    sglang_rows = full * (pairs + draft_layers) + swa * pairs
+    assert slots % 16 == 0 and slots * (pairs + draft_layers) <= sglang_rows < (slots + 16) * (pairs + draft_layers)
+    assert slots < full + swa  # the draft's rows at the SWA side's slots come out of the one budget
+    served = [line for line in swa_ext_lines(shared.log) if " serves " in line]
+    assert len(served) == 1 and f"serves one budget of {slots} tokens" in served[0], served
+    # Every KV pool SGLang built, the draft's included, spans the one slot space; SGLang's
+    # own run builds the draft's at its full token count.
+    assert set(map(int, KV_POOL_TOKENS.findall(shared.log))) == {slots}, KV_POOL_TOKENS.findall(shared.log)
+    assert full in set(map(int, KV_POOL_TOKENS.findall(reference.log)))
+
+    assert faulty.rows is not None, f"the run with a planted fault failed:\n{faulty.log[-6000:]}"
+    differ = sum(a != b for f, r in zip(faulty.rows, reference.rows) for a, b in zip(f["output_ids"], r["output_ids"]))
+    print(f"{algorithm}, write_row_off: {differ} of {sum(len(r['output_ids']) for r in reference.rows)} tokens "
+          f"differ from SGLang's allocator's")
+    assert differ > 0

@@ -109,7 +109,7 @@ def draft_model(tmp_path_factory):
     return path
 
 
-def engine_env(mode, interval, report, fault=None):
+def engine_env(mode, interval, report, fault=None, dummy_weights=None):
     env = dict(os.environ, SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
                SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", SGLANG_CHECK_KV_PAGE_INVARIANTS="1",
                TRITON_INTERPRET="1", SWA_EXT_LOCKSTEP_REPORT=report,
@@ -117,35 +117,41 @@ def engine_env(mode, interval, report, fault=None):
                PYTHONPATH=os.pathsep.join([STUBS, BRIDGES_DIR, KV_CHECK] + [
                    p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SGLANG_SWA_EVICTION_INTERVAL", "SWA_EXT_DEBUG",
-                 "SWA_EXT_TEST_KV_FAULT"):
+                 "SWA_EXT_TEST_KV_FAULT", "SWA_EXT_TEST_DUMMY_WEIGHTS"):
         env.pop(name, None)
     env.update(allocator_variables(mode))
     if mode == "shared":
         env["SWA_EXT_DEBUG"] = "1"  # each step checks that no slot holds two kinds of KV
     if fault:
         env["SWA_EXT_TEST_KV_FAULT"] = fault
+    if dummy_weights is not None:
+        env["SWA_EXT_TEST_DUMMY_WEIGHTS"] = str(dummy_weights)
     if interval is not None:
         env["SGLANG_SWA_EVICTION_INTERVAL"] = str(interval)
     return env
 
 
-def run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format="auto", fault=None):
+def run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format="auto", fault=None,
+                    dummy_weights=None):
     """One engine run with every bridge: its results (None if it failed), log, lockstep counts, wall time.
     Run once a session for each set of arguments, however a caller spells them (test_faults.py
-    and test_shared_engine.py reuse this module's runs). ``fault`` plants a KV fault
-    (tests/sglang/kv_check)."""
-    return _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format, fault)
+    and test_shared_engine.py reuse this module's runs). ``fault`` plants a KV fault;
+    ``dummy_weights`` widens SGLang's dummy weights to that range (tests/sglang/kv_check)."""
+    return _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format, fault,
+                            dummy_weights)
 
 
 @functools.lru_cache(maxsize=None)
-def _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format, fault):
-    tag = f"{algorithm}-{draft_tokens}-{page_size}-{interval}-{mode}" + (f"-{fault}" if fault else "")
+def _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval, mode, load_format, fault,
+                     dummy_weights):
+    tag = f"{algorithm}-{draft_tokens}-{page_size}-{interval}-{mode}" + (f"-{fault}" if fault else "") + \
+        (f"-weights{dummy_weights}" if dummy_weights is not None else "")
     out_dir = os.path.join(os.path.dirname(model), f"spec-run-{tag}")
     os.makedirs(out_dir, exist_ok=True)
     result, report = os.path.join(out_dir, "result.json"), os.path.join(out_dir, "lockstep.json")
     proc, log, counts, wall = run_script([os.path.join(HERE, "spec_engine_run.py"), model, draft or "-", result,
                                           algorithm, str(draft_tokens), str(page_size), str(TIGHT_POOL), load_format],
-                                         engine_env(mode, interval, report, fault), out_dir, report)
+                                         engine_env(mode, interval, report, fault, dummy_weights), out_dir, report)
     rows = None
     if proc.returncode == 0 and os.path.exists(result):
         with open(result) as f:
@@ -158,8 +164,11 @@ def _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval,
 # alone). A STANDALONE draft of one step: its drafts are rejected anyway, and each step is a
 # draft forward.
 CONFIGS = [("granite", "NGRAM", 4, 16, 1, True), ("granite", "NGRAM", 8, 1, DEFAULT_INTERVAL, False),
-           ("granite", "STANDALONE", 2, 1, 1, False), ("granite", "STANDALONE", 2, 16, DEFAULT_INTERVAL, False),
-           ("gpt-oss", "EAGLE3", 3, 16, 1, False)]
+           ("granite", "STANDALONE", 2, 1, 1, False), ("granite", "STANDALONE", 2, 16, DEFAULT_INTERVAL, False)]
+# With --slow: EAGLE3 on the tiny gpt-oss in lockstep (in CI, test_shared_engine.py runs EAGLE3
+# on it, in the shared mode against SGLang's allocator alone; the default mode's EAGLE
+# allocation is replayed from SGLang's own in tests/golden/spec_*).
+SLOW_CONFIGS = [("gpt-oss", "EAGLE3", 3, 16, 1, False)]
 
 
 def run_arguments(model, algorithm, draft_tokens, page_size, interval, tiny_model, draft_model, gpt_oss_models):
@@ -176,7 +185,8 @@ def engines_of_the_selected_tests(request, tiny_model, draft_model, gpt_oss_mode
     """The engine runs the selected tests of this module read, started two at a time."""
     runs = []
     for item in request.session.items:
-        if item.module is request.module and item.originalname == "test_speculative_engine_in_lockstep_is_sglangs":
+        if item.module is request.module and item.originalname == "test_speculative_engine_in_lockstep_is_sglangs" \
+                and not item.get_closest_marker("skip"):  # --slow's, unasked
             config = (item.callspec.params[name] for name in ("model", "algorithm", "draft_tokens", "page_size",
                                                                "interval"))
             *arguments, load_format = run_arguments(*config, tiny_model, draft_model, gpt_oss_models)
@@ -185,8 +195,10 @@ def engines_of_the_selected_tests(request, tiny_model, draft_model, gpt_oss_mode
     two_at_a_time(run_spec_engine, runs)
 
 
-@pytest.mark.parametrize("model,algorithm,draft_tokens,page_size,interval,alone", CONFIGS,
-                         ids=[f"{m}-{a}-{d}-page{p}-interval{i or 'default'}" for m, a, d, p, i, _ in CONFIGS])
+@pytest.mark.parametrize("model,algorithm,draft_tokens,page_size,interval,alone",
+                         CONFIGS + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CONFIGS],
+                         ids=[f"{m}-{a}-{d}-page{p}-interval{i or 'default'}" for m, a, d, p, i, _ in
+                              CONFIGS + SLOW_CONFIGS])
 def test_speculative_engine_in_lockstep_is_sglangs(tiny_model, draft_model, gpt_oss_models, model, algorithm,
                                                    draft_tokens, page_size, interval, alone):
     """Lockstep compares every allocator call with SGLang's allocator (a difference stops the

@@ -2,9 +2,14 @@
 test_spec_engine.engine_env put this directory, with its dist-info, on an engine's
 PYTHONPATH; SGLang loads it in each of its processes).
 
+``SWA_EXT_TEST_DUMMY_WEIGHTS=r`` draws SGLang's dummy weights (``--load-format dummy``, a
+model and its draft from their configs alone) uniform in [-r, r] rather than SGLang's
+[-1e-3, 1e-3], under which a tiny model's greedy output ignores its KV cache (the tiny
+gpt-oss repeats one token): at 0.2 the outputs depend on the KV, as those of the engine
+tests' checkpoints do (tests/sglang/conftest.py).
+
 ``SWA_EXT_TEST_KV_FAULT`` plants a fault in the shared mode's KV storage, so that a test
-shows its comparison of outputs can fail (the engine tests' weights make the outputs
-depend on the KV: tests/sglang/conftest.py):
+shows its comparison of outputs can fail:
   ``write_row_off``: every SWA-layer KV write lands one slot further on (the last row's
   one slot back);
   ``view_layer_off``: SWA layer i's view is over full layer i + 1's buffers (the last
@@ -14,6 +19,16 @@ import os
 
 FAULT_VARIABLE = "SWA_EXT_TEST_KV_FAULT"
 FAULTS = ("write_row_off", "view_layer_off")
+DUMMY_WEIGHTS_VARIABLE = "SWA_EXT_TEST_DUMMY_WEIGHTS"
+
+
+def _widen_dummy_weights(bound):
+    import functools
+
+    from sglang.srt.model_loader import loader, weight_utils
+
+    loader.initialize_dummy_weights = functools.partial(weight_utils.initialize_dummy_weights, low=-bound,
+                                                        high=bound)
 
 
 def _plant(fault):
@@ -51,6 +66,9 @@ def _plant(fault):
 
 
 def plugin():
+    bound = os.environ.get(DUMMY_WEIGHTS_VARIABLE)
+    if bound:
+        _widen_dummy_weights(float(bound))
     fault = os.environ.get(FAULT_VARIABLE)
     if fault:
         if fault not in FAULTS:
