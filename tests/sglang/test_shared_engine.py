@@ -228,16 +228,21 @@ def test_a_draft_model_in_the_shared_mode(tiny_model, draft_model, gpt_oss_model
     within the bytes SGLang sized (its two pools and the draft's at its full token count).
     test_spec_engine.py's pool of 320 tokens a side (requests wait), page 16, eviction every
     step: the outputs and cached tokens of SGLang's allocator, no out of memory; the same
-    run with SWA-layer KV written one slot off gives other tokens."""
+    run with SWA-layer KV written one slot off gives other tokens. SGLang's allocator runs
+    in lockstep with swa_ext's default mode (every allocator call compared), so that the
+    reference is also the default mode's identity test for this draft."""
     if target == "gpt-oss":
         (model, draft), load_format, weights = gpt_oss_models, "dummy", DUMMY_WEIGHTS
     else:
         model, draft, load_format, weights = tiny_model, draft_model, "auto", None
     runs = pd_harness.two_at_a_time(run_spec_engine, [
         (model, draft, algorithm, draft_tokens, 16, 1, mode, load_format, fault, weights)
-        for mode, fault in (("sglang", None), ("shared", None), ("shared", "write_row_off"))])
+        for mode, fault in (("lockstep", None), ("shared", None), ("shared", "write_row_off"))])
     reference, shared, faulty = runs.values()
-    assert reference.rows is not None, f"SGLang's own run failed:\n{reference.log[-6000:]}"
+    assert reference.rows is not None, f"SGLang's run in lockstep failed:\n{reference.log[-6000:]}"
+    assert "LockstepDivergence" not in reference.log, reference.log[-6000:]
+    assert all(reference.counts.get(call, 0) > 0 for call in ("alloc_extend", "maybe_evict_swa", "free_segment")), \
+        reference.counts  # each step's reserve (page 16), the eviction, the requests' release: compared
     assert shared.rows is not None, f"the shared run failed:\n{shared.log[-6000:]}"
     for key in ("output_ids", "cached_tokens"):
         assert [r[key] for r in shared.rows] == [r[key] for r in reference.rows], key

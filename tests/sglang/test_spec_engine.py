@@ -165,9 +165,10 @@ def _run_spec_engine(model, draft, algorithm, draft_tokens, page_size, interval,
 # draft forward.
 CONFIGS = [("granite", "NGRAM", 4, 16, 1, True), ("granite", "NGRAM", 8, 1, DEFAULT_INTERVAL, False),
            ("granite", "STANDALONE", 2, 1, 1, False), ("granite", "STANDALONE", 2, 16, DEFAULT_INTERVAL, False)]
-# With --slow: EAGLE3 on the tiny gpt-oss in lockstep (in CI, test_shared_engine.py runs EAGLE3
-# on it, in the shared mode against SGLang's allocator alone; the default mode's EAGLE
-# allocation is replayed from SGLang's own in tests/golden/spec_*).
+# With --slow: EAGLE3 on the tiny gpt-oss in lockstep at SGLang's dummy weights, where the
+# drafts agree and verifies commit runs of tokens. In CI, test_shared_engine.py runs EAGLE3
+# on it in lockstep at widened weights (the drafts rejected) as the shared mode's reference,
+# and tests/golden/spec_* replay SGLang's own EAGLE allocation, accepted drafts included.
 SLOW_CONFIGS = [("gpt-oss", "EAGLE3", 3, 16, 1, False)]
 
 
