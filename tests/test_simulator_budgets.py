@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-import swa_ext
 from swa_ext import simulator, traces
 from swa_ext.models import get_model
 from swa_ext.simulator import Arena, plan_scenario
@@ -286,7 +285,7 @@ def test_the_shifted_mix_trace_is_what_its_builder_writes(tmp_path):
 
 
 def test_the_traces_credit_their_sources():
-    readme = (Path(swa_ext.__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for name in ("AzureLLMInferenceTrace_code.csv", "shifted_mix_trace.csv"):
         assert f"swa_ext/data/{name}" in readme
     assert readme.count("Azure Public Dataset, Microsoft") >= 1 and "LICENSE-Mooncake-traces.txt" in readme
