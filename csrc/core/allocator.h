@@ -57,7 +57,8 @@ class HybridAllocator {
  public:
   explicit HybridAllocator(std::unique_ptr<HybridStore> store);
   // The mapping table's length for pools of this shape, which it checks first.
-  static int64_t mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list);
+  static int64_t mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list,
+                              const ParentLayout& parents = ParentLayout{});
 
   HybridStore& store() { return *store_; }
   PoolStore& full() { return store_->full(); }

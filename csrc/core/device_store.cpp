@@ -519,7 +519,7 @@ void DevicePool::restore(const PagePool& state) {
 DeviceHybridStore::DeviceHybridStore(std::shared_ptr<Executor> executor, int64_t size, int64_t size_swa,
                                      int64_t page_size, bool need_sort, bool shares_list, bool debug, int64_t* mapping,
                                      int64_t mapping_len)
-    : HybridStore(shares_list),
+    : HybridStore(shares_list, ParentLayout{}),
       page_(page_size),
       control_(std::make_shared<DeviceControl>(std::move(executor), shares_list ? 1 : 2, debug)),
       full_(std::make_shared<DevicePool>(control_, 0, size, page_size, need_sort)),

@@ -34,11 +34,19 @@ AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& l
   return AllocPlan{call, bs, tokens, pages, pages, tokens};
 }
 
-// The shared mode's one list has `size` slots, which both kinds read as their size.
-void check_shared_list_sizes(int64_t size, int64_t size_swa, bool shares_list) {
-  if (shares_list && size_swa != size)
-    fail("size_swa", "must equal size (", size, ") in the shared mode, whose one list serves both kinds, got ",
-         size_swa);
+// The shared mode's small side has parent_k times the other side's slots (its pages are
+// parent_k to a parent): equal sizes at parent_k 1.
+void check_shared_list_sizes(int64_t size, int64_t size_swa, bool shares_list, const ParentLayout& parents) {
+  if (!shares_list) return;
+  const bool small_full = parents.small_side == Side::kFull;
+  const int64_t large = small_full ? size_swa : size, small = small_full ? size : size_swa;
+  if (static_cast<Wide>(large) * parents.k == small) return;
+  const char* large_name = small_full ? "size_swa" : "size";
+  if (parents.k == 1)
+    fail(small_full ? "size" : "size_swa", "must equal ", large_name, " (", large,
+         ") in the shared mode, whose one list serves both kinds, got ", small);
+  fail(small_full ? "size" : "size_swa", "must be parent_k (", parents.k, ") times ", large_name, " (", large,
+       ") in the shared mode: a parent page holds parent_k of its pages, got ", small);
 }
 
 }  // namespace
@@ -49,10 +57,19 @@ void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size) {
   if (size > kMaxLength) fail(size_arg, "is above ", kMaxLength, " tokens, got ", size);
 }
 
-void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list) {
+ParentLayout check_parent_layout(int64_t parent_k, const std::string& small_side, bool shares_list) {
+  if (parent_k < 1 || parent_k > kMaxParentK) fail("parent_k", "must be in [1, ", kMaxParentK, "], got ", parent_k);
+  if (parent_k > 1 && !shares_list) fail("parent_k", "above 1 needs the shared mode (shared=True), got ", parent_k);
+  if (small_side != "full" && small_side != "swa")
+    fail("small_side", "must be 'full' or 'swa' (the side whose KV entry is smaller), got '", small_side, "'");
+  return ParentLayout{parent_k, small_side == "full" ? Side::kFull : Side::kSwa};
+}
+
+void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list,
+                        const ParentLayout& parents) {
   check_pool_shape("size_swa", size_swa, page_size);
   check_pool_shape("size", size, page_size);
-  check_shared_list_sizes(size, size_swa, shares_list);
+  check_shared_list_sizes(size, size_swa, shares_list, parents);
 }
 
 void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity) {
@@ -68,10 +85,10 @@ void check_pool_alone(const char* call, bool shares_list) {
 }
 
 void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
-                         int64_t swa_capacity, bool shares_list) {
+                         int64_t swa_capacity, bool shares_list, const ParentLayout& parents) {
   check_resize("size", size, page_size, full_capacity);
   check_resize("size_swa", size_swa, page_size, swa_capacity);
-  check_shared_list_sizes(size, size_swa, shares_list);
+  check_shared_list_sizes(size, size_swa, shares_list, parents);
 }
 
 void check_state_shape(const char* what, bool same_shape) {
