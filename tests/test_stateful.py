@@ -601,3 +601,35 @@ def test_device_algorithm_matches_reference(page_size, need_sort, shared, reques
     """The CUDA path's ops, run element by element on the CPU, against the reference
     (which the CPU store matches call by call in test_native_matches_reference)."""
     _run(_machine(page_size, need_sort, "emulated", shared), request.config.getoption("--slow"), CI_EXAMPLES_EMULATED)
+
+
+def test_batched_eviction_releases_child_pages_request_by_request():
+    """One evict_out_of_window over two requests releases as one free_swa_segment each, in
+    batch order, would at parent_k > 1: each request's evicted child page leaves its parent
+    partly used, and the parent made partly used last (the second request's) is the first a
+    later allocation takes from. The regression of a batched eviction that returned the
+    child pages in the prepend order of whole pages (the last request's first)."""
+    ps, k = 2, 2
+    native = swa_ext.SWATokenToKVPoolAllocator(8 * ps, 8 * ps * k, ps, torch.bfloat16, "cpu", shared=True, parent_k=k)
+    ref = SWAAllocatorRef(8 * ps, 8 * ps * k, ps, shared=True, parent_k=k)
+    rows = []
+    for alloc in (native, ref):
+        # Two requests of two pages each: each one's SWA pages are the two child pages of one parent.
+        out = alloc.alloc_extend(T([0, 0]), T([0, 0]), T([4, 4]), T([4, 4]), T([-1, -1]), 8)
+        rows.append(out.tolist() if isinstance(out, torch.Tensor) else out)
+    assert rows[0] == rows[1]
+    row = rows[0]
+    swa_parents = [native.translate_loc_from_full_to_swa(T(row[j * 4: j * 4 + 1])).item() // (ps * k) for j in (0, 1)]
+    assert swa_parents[0] != swa_parents[1]
+    req_to_token = torch.tensor([[0] * 4, row[:4], row[4:]], dtype=torch.int64)
+    new = native.evict_out_of_window(req_to_token, T([1, 2]), T([4, 4]), T([0, 0]), 2, 1, False).tolist()
+    assert new == [ps, ps]
+    for j in (0, 1):
+        ref.free_swa_segment(row[j * 4: j * 4 + ps], start_pos=0)
+    assert native.swa_attn_allocator.free_pages.tolist() == ref.swa_attn_allocator.free_pages
+    # A new request's SWA page: the free child page of the second request's parent.
+    out = native.alloc_extend(T([0]), T([0]), T([ps]), T([ps]), T([-1]), ps)
+    assert out.tolist() == ref.alloc_extend(T([0]), T([0]), T([ps]), T([ps]), T([-1]), ps)
+    assert native.translate_loc_from_full_to_swa(out[:1]).item() // (ps * k) == swa_parents[1]
+    assert native.full_to_swa_index_mapping.tolist() == ref.full_to_swa_index_mapping
+    native.check_invariants()

@@ -29,9 +29,10 @@ Destination destination(PoolStore& pool, bool by_index) {
   return release_destination(pool.group_open(), by_index, pool.need_sort(), pool.token_mode());
 }
 
-// by_index: the claims are free()'s (slots), else pages by id or segment.
-void release_claims(PoolStore& pool, bool by_index) {
-  pool.release_claims(destination(pool, by_index), release_order(by_index, pool.geometry().size));
+// by_index: the claims are free()'s (slots), else pages by id or segment; releases: as
+// PoolStore::release_claims.
+void release_claims(PoolStore& pool, bool by_index, Span releases = Span()) {
+  pool.release_claims(destination(pool, by_index), release_order(by_index, pool.geometry().size), releases);
 }
 
 void merge_staged(PoolStore& pool) {
@@ -220,9 +221,9 @@ void HybridAllocator::clear_mapping(Span full_indices) {
   store_->clear_mapping(full_indices);
 }
 
-void HybridAllocator::release_swa(bool by_index) {
+void HybridAllocator::release_swa(bool by_index, Span releases) {
   store_->clear_claimed_mapping();
-  release_claims(swa(), by_index);
+  release_claims(swa(), by_index, releases);
 }
 
 // The hybrid free sequence: claim the full side, claim the SWA side (checked all of it),
@@ -295,12 +296,13 @@ void HybridAllocator::evict_out_of_window(const SlotRows& req_to_token, Span row
                                           bool prefix_sharing, int64_t* new_evicted) {
   store_->check_usable();
   plan_window_eviction(req_to_token.num_rows, req_to_token.row_len, rows, pre_lens, evicted_seqlens, window, interval,
-                       prefix_sharing, page_, destination(swa(), false), new_evicted, eviction_);
+                       prefix_sharing, page_, destination(swa(), false), swa().pages_per_parent() > 1, new_evicted,
+                       eviction_);
   if (eviction_.total_pages() == 0) return;
   ClaimScope<HybridStore> scope(*store_);
   store_->claim_swa_of_evicted(req_to_token, eviction_);
   scope.confirm();
-  release_swa(false);
+  release_swa(false, eviction_.release_each ? Span(eviction_.page_begin) : Span());
 }
 
 void HybridAllocator::resize(int64_t size, int64_t size_swa) {

@@ -403,7 +403,9 @@ void DevicePool::release(const int64_t* pages, int64_t n, const int64_t* device_
   }
 }
 
-void DevicePool::release_claims(Destination dest, ReleaseOrder order) {
+// releases: always empty, since this store's pages are whole pages (pages_per_parent 1),
+// which an eviction releases as one block.
+void DevicePool::release_claims(Destination dest, ReleaseOrder order, Span) {
   const int64_t count = claim_count_;
   claim_count_ = 0;
   if (count == 0) return;

@@ -291,7 +291,16 @@ void PagePool::undo_claims_after(size_t mark) {
 
 void PagePool::undo_claims() { undo_claims_after(0); }
 
-void PagePool::release_claims(Destination dest, ReleaseOrder order) {
+void PagePool::release_claims(Destination dest, ReleaseOrder order, Span releases) {
+  if (releases.size > 0) {
+    std::vector<int64_t> pages;
+    for (int64_t j = 0; j + 1 < releases.size; ++j) {
+      pages.assign(claimed_.begin() + releases[j], claimed_.begin() + releases[j + 1]);
+      place_released(pages, dest, order);
+    }
+    claimed_.clear();
+    return;
+  }
   const int64_t n = static_cast<int64_t>(claimed_.size());
   int64_t log_n = 1;
   while ((int64_t{1} << log_n) < n) ++log_n;

@@ -94,7 +94,7 @@ class PagePool final : public PoolStore {
   void claim_page_ids(Span pages, Call call) override;
   void confirm_claims() override {}
   void undo_claims() override;
-  void release_claims(Destination dest, ReleaseOrder order) override;
+  void release_claims(Destination dest, ReleaseOrder order, Span releases) override;
   void release_group(GroupQueue queue, Destination dest, ReleaseOrder order) override;
   void clear() override;
   void resize(int64_t size) override;

@@ -171,7 +171,7 @@ void check_mapping_pairs(int64_t num_full, int64_t num_swa) {
 
 void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
                           int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
-                          Destination dest, int64_t* new_evicted, EvictionPlan& plan) {
+                          Destination dest, bool child_pages, int64_t* new_evicted, EvictionPlan& plan) {
   const int64_t bs = rows.size;
   check_batch_lengths({{"rows", bs}, {"pre_lens", pre_lens.size}, {"evicted_seqlens", evicted_seqlens.size}});
   check_at_least_one("window", window);
@@ -193,8 +193,10 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
     plan.page_begin.push_back(plan.page_begin.back() + page.page(new_evicted[j] - evicted));
   }
   const int64_t total = plan.total_pages();
+  plan.release_each = child_pages;
+  const bool reversed = dest == Destination::kPrepend && !child_pages;  // one block, the last request's first
   for (int64_t j = 0; j < plan.num_due(); ++j)
-    plan.release_offset.push_back(dest == Destination::kPrepend ? total - plan.page_begin[j + 1] : plan.page_begin[j]);
+    plan.release_offset.push_back(reversed ? total - plan.page_begin[j + 1] : plan.page_begin[j]);
 }
 
 void check_evicted_len(int64_t evicted, int64_t pre_len, const PageGeometry& page) {

@@ -267,18 +267,23 @@ inline bool swa_continues_prefix(AllocCall call) { return call != AllocCall::kEx
 // (page_begin, one more entry than requests), and where in the released list each
 // request's pages go. It releases exactly as one free_swa_segment per due request in
 // batch order would: successive prepends put the last request's pages first; staging,
-// appends and a group's queue keep batch order.
+// appends and a group's queue keep batch order. release_each: the SWA side's pages are
+// child pages (parent_k > 1), whose parents come back only as their last child does, so
+// that no one block can order them: each request's pages (page_begin[j] ..
+// page_begin[j + 1] of the claims, in batch order) are then a release of their own.
 struct EvictionPlan {
   std::vector<int64_t> row, evicted, page_begin{0}, release_offset;
+  bool release_each = false;
   int64_t num_due() const { return static_cast<int64_t>(row.size()); }
   int64_t total_pages() const { return page_begin.back(); }
 };
 // Checks the host arguments and writes each request's new evicted length (equal to the
 // old one when nothing is due) and the plan (its lists reused: this runs every decode
-// step); dest: where the SWA pool releases the pages.
+// step); dest: where the SWA pool releases the pages; child_pages: the SWA pool's pages
+// are child pages (its pages_per_parent above 1).
 void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
                           int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
-                          Destination dest, int64_t* new_evicted, EvictionPlan& plan);
+                          Destination dest, bool child_pages, int64_t* new_evicted, EvictionPlan& plan);
 // A page size, window or interval of the window rules (rules.h): at least 1; returns it.
 int64_t check_at_least_one(const char* arg, int64_t value);
 // One request's lengths for evicted_after_step: pre_len >= 0, evicted page-aligned

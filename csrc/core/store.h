@@ -83,8 +83,10 @@ class PoolStore {
   virtual void confirm_claims() = 0;
   // The claimed pages held again, as before the call.
   virtual void undo_claims() = 0;
-  // The claimed pages to dest, in claim order or page order.
-  virtual void release_claims(Destination dest, ReleaseOrder order) = 0;
+  // The claimed pages to dest, in claim order or page order; releases: empty (one
+  // release), or the claim offsets that bound successive releases (one more entry than
+  // releases), each placed as a call of its own would place it.
+  virtual void release_claims(Destination dest, ReleaseOrder order, Span releases) = 0;
   // An open free group's queue to dest (the group is already closed).
   virtual void release_group(GroupQueue queue, Destination dest, ReleaseOrder order) = 0;
 
