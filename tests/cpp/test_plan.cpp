@@ -146,7 +146,7 @@ TEST(Plan, ReleaseDestination) {
 
 TEST(Plan, ShapeAndGroupChecksNameTheArgument) {
   try {
-    check_hybrid_shape(64, 8, 16, false);
+    check_hybrid_shape(64, 8, 16, false, ParentLayout{});
     FAIL();
   } catch (const ArgumentError& e) {
     EXPECT_EQ(std::string(e.what()).rfind("size_swa:", 0), 0u) << e.what();
