@@ -52,7 +52,7 @@ struct Case {
       : batch(b), page_size(ps), size((b * kTokensPerRequest + ps - 1) / ps * ps),
         host_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size, ps, false))),
         dev_mapping(host_mapping.size()),
-        host(std::make_unique<HostHybridStore>(size, size, ps, false, false, host_mapping.data(), len())),
+        host(std::make_unique<HostHybridStore>(size, size, ps, false, false, ParentLayout{}, host_mapping.data(), len())),
         dev(std::make_unique<DeviceHybridStore>(exec, size, size, ps, false, false, false, dev_mapping.data(), len())),
         state(host.backup_state()) {
     // The benchmark's state (bench/micro/cases.py): B requests of 128..256 tokens on unaligned lengths.

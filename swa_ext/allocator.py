@@ -103,7 +103,7 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
     _token_view_class = TokenToKVPoolAllocator
 
     def __init__(self, size, size_swa, page_size, dtype, device, kvcache=None, need_sort=False, kernels="auto",
-                 shared=False):
+                 shared=False, parent_k=1, small_side="swa"):
         """Two pools: ``size`` full-attention slots and ``size_swa`` SWA slots (tokens), in
         pages of ``page_size`` slots; ``dtype`` a ``torch.dtype``, recorded for the caller;
         ``device`` "cpu" or "cuda"; ``kvcache``, ``need_sort`` and ``kernels`` as the class
@@ -111,10 +111,19 @@ class SWATokenToKVPoolAllocator(_C.HybridAllocator):
         min(size_full, size_swa): ``size_full`` and ``size_swa`` read each. Raises
         ValueError or TypeError naming a bad argument, MemoryError naming ``size`` or
         ``size_swa`` (with the bytes its tables need). ``shared=True``: the shared mode
-        (SPEC.md section 8), one free list of ``size`` slots for full and SWA pages alike;
-        ``size_swa`` must equal ``size``."""
+        (SPEC.md section 8), one free list of parent pages for full and SWA pages alike: a
+        parent holds one page of the side with the larger KV entry or ``parent_k`` pages of
+        ``small_side`` ("full" or "swa", the side with the smaller entry;
+        ``swa_ext.parent_k(larger_entry_bytes, smaller_entry_bytes)`` gives k), whose size
+        must be ``parent_k`` times the other side's (``size_swa`` equal to ``size`` at
+        ``parent_k=1``). ``parent_k > 1`` runs on the CPU store (``kernels`` "auto" or "cpu")."""
         _check_dtype(dtype)
-        super().__init__(size, size_swa, page_size, _checked_device(device), need_sort, kernels, shared)
+        if isinstance(parent_k, bool) or not isinstance(parent_k, int):
+            raise TypeError(f"parent_k: expected an int, got {type(parent_k).__name__} {parent_k!r}")
+        if not isinstance(small_side, str):
+            raise TypeError(f"small_side: expected 'full' or 'swa', got {type(small_side).__name__} {small_side!r}")
+        super().__init__(size, size_swa, page_size, _checked_device(device), need_sort, kernels, shared, parent_k,
+                         small_side)
         self._dtype = dtype
         self._kvcache = kvcache
         view_class = self._token_view_class if page_size == 1 else self._paged_view_class

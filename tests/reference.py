@@ -48,12 +48,19 @@ QUEUED_TOKENS_SWA = "queued-tokens-swa"
 
 class _PageList:
     """A pool's free list, staging list and page states: its own, or in the shared
-    mode (section 8) the one list of both sides."""
+    mode (section 8) the one list of parent pages both sides share (a parent is a page
+    of the larger-entry side, or parent_k pages of the smaller-entry side)."""
 
-    def __init__(self):
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages  # parents 1..num_pages; 0 is the padding parent
         self.free_pages = []
         self.release_pages = []
         self.state = []
+
+    def clear(self) -> None:
+        self.free_pages = list(range(1, self.num_pages + 1))
+        self.release_pages = []
+        self.state = [None] + [FREE] * self.num_pages  # page 0 is padding
 
 
 def cdiv(a: int, b: int) -> int:
@@ -138,9 +145,12 @@ class _PoolRef:
     caller's call in the message.
     """
 
-    def __init__(self, size: int, page_size: int, need_sort: bool = False, shared_with=None):
-        """shared_with: the shared mode's full side, whose list this pool (the SWA side,
-        holding its pages as HELD_SWA) shares."""
+    def __init__(self, size: int, page_size: int, need_sort: bool = False, page_list=None,
+                 held: str = HELD, parent_k: int | None = None):
+        """page_list: the shared mode's one list of parents (section 8), which this pool
+        shares with the other side, holding its pages as `held` (HELD or HELD_SWA).
+        parent_k: this side is the smaller-entry side, parent_k child pages to a parent
+        (its pages are child pages, with states of their own; None: its pages are parents)."""
         size = _int(size, "size")
         page_size = _int(page_size, "page_size")
         _require(size >= 0, f"size must be >= 0, got {size}")
@@ -148,25 +158,33 @@ class _PoolRef:
         self.size = size
         self.page_size = page_size
         self.need_sort = bool(need_sort)
-        self.num_pages = size // page_size
-        self._list = shared_with._list if shared_with is not None else _PageList()
-        self._held = HELD_SWA if shared_with is not None else HELD
-        self._queued_tokens = QUEUED_TOKENS_SWA if shared_with is not None else QUEUED_TOKENS
+        self._list = page_list if page_list is not None else _PageList(size // page_size)
+        self._children = parent_k
+        # Child page ids run to the last child of the last parent; parent 0's are padding.
+        self.num_pages = self._list.num_pages if parent_k is None else (self._list.num_pages + 1) * parent_k - 1
+        self._held = held
+        self._queued_tokens = QUEUED_TOKENS_SWA if held == HELD_SWA else QUEUED_TOKENS
         self.clear()
 
     # The lists, in self._list so that the shared mode's two sides see one.
     free_pages = property(lambda self: self._list.free_pages, lambda self, v: setattr(self._list, "free_pages", v))
     release_pages = property(lambda self: self._list.release_pages,
                              lambda self, v: setattr(self._list, "release_pages", v))
-    _state = property(lambda self: self._list.state, lambda self, v: setattr(self._list, "state", v))
+
+    @property
+    def _state(self) -> list:
+        """This side's page states: the list's (parents) or, on the smaller-entry side, its child pages'."""
+        return self._list.state if self._children is None else self._child_state
 
     # ---- state
 
     def clear(self) -> None:
         """Back to the initial state: every page free, in order, no group open."""
-        self.free_pages = list(range(1, self.num_pages + 1))
-        self.release_pages = []
-        self._state = [None] + [FREE] * self.num_pages  # page 0 is padding
+        self._list.clear()
+        if self._children is not None:
+            k = self._children
+            self._child_state = [None] * k + [FREE] * (self.num_pages + 1 - k)  # parent 0's children are padding
+            self._partial = []  # bound parents with a free child, the one taken from first in front
         self._in_group = False
         self._group_tokens = []  # free(indices) calls queued in the group
         self._group_pages = []  # free_page_ids / free_segment pages queued
@@ -177,6 +195,7 @@ class _PoolRef:
                 "free_pages": self.free_pages,
                 "release_pages": self.release_pages,
                 "page_state": self._state,
+                "partial": self._partial if self._children is not None else None,
                 "in_group": self._in_group,
                 "group_tokens": self._group_tokens,
                 "group_pages": self._group_pages,
@@ -187,8 +206,25 @@ class _PoolRef:
     def is_not_in_free_group(self) -> bool:
         return not self._in_group
 
+    def _pages_of_parents(self, parents: int) -> int:
+        """This side's pages in `parents` parents and in its partly used parents."""
+        if self._children is None:
+            return parents
+        return parents * self._children + sum(self._free_children(q) for q in self._partial)
+
+    def parents_for(self, pages: int) -> int:
+        """The parents this side binds to take `pages` pages: its partly used parents' free
+        children first."""
+        if self._children is None or pages < 0:  # a negative count (SGLang takes any) counts as itself
+            return pages
+        return cdiv(max(0, pages - self._pages_of_parents(0)), self._children)
+
+    def _free_room(self) -> int:
+        """The pages this side can take without a merge."""
+        return self._pages_of_parents(len(self.free_pages))
+
     def available_size(self) -> int:
-        return (len(self.free_pages) + len(self.release_pages)) * self.page_size
+        return self._pages_of_parents(len(self.free_pages) + len(self.release_pages)) * self.page_size
 
     def used_size(self) -> int:
         """Tokens in the pages this pool holds: neither free nor staged; pages its open free
@@ -199,7 +235,7 @@ class _PoolRef:
     def merge_and_sort_free(self) -> None:
         if self.release_pages:
             for page in self.release_pages:
-                self._state[page] = FREE
+                self._list.state[page] = FREE
             self.free_pages = sorted(self.free_pages + self.release_pages)
             self.release_pages = []
 
@@ -299,13 +335,62 @@ class _PoolRef:
 
     # ---- primitives (no checks: callers check first)
 
+    def _children_of(self, parent: int) -> range:
+        k = self._children
+        return range(parent * k, parent * k + k)
+
+    def _free_children(self, parent: int) -> int:
+        return sum(self._child_state[c] == FREE for c in self._children_of(parent))
+
     def _take(self, n: int) -> list[int]:
-        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-        for p in pages:
-            self._state[p] = self._held
+        """The next n pages: on the smaller-entry side the free children of its partly used
+        parents (front first, each parent's in order), then the children of parents bound
+        from the head of the list; a parent left partly used goes to the front."""
+        pages = []
+        if self._children is not None:
+            while len(pages) < n and self._partial:
+                parent = self._partial[0]
+                for c in self._children_of(parent):
+                    if len(pages) < n and self._child_state[c] == FREE:
+                        pages.append(c)
+                        self._child_state[c] = self._held
+                if self._free_children(parent) == 0:
+                    self._partial.pop(0)
+        parents_needed = self.parents_for(n - len(pages)) if self._children is not None else n
+        parents, self.free_pages = self.free_pages[:parents_needed], self.free_pages[parents_needed:]
+        for q in parents:
+            self._list.state[q] = self._held  # bound to this side
+            if self._children is None:
+                pages.append(q)
+                continue
+            for c in self._children_of(q):
+                if len(pages) < n:
+                    pages.append(c)
+                    self._child_state[c] = self._held
+            if self._free_children(q):
+                self._partial.insert(0, q)
         return pages
 
     def _release(self, pages: list[int]) -> None:
+        """Pages back: a child page to its parent, the parent released (section 1's or 2's
+        place) once its last child is back; a parent whose first child comes back goes to
+        the front of the partly used ones."""
+        if self._children is None:
+            self._release_parents(pages)
+            return
+        whole = []
+        for c in pages:
+            self._child_state[c] = FREE
+            parent = c // self._children
+            if self._free_children(parent) == self._children:
+                if parent in self._partial:
+                    self._partial.remove(parent)
+                whole.append(parent)
+            elif parent not in self._partial:
+                self._partial.insert(0, parent)
+        self._release_parents(whole)
+
+    def _release_parents(self, parents: list[int]) -> None:
         raise NotImplementedError
 
     def _free_tokens_now(self, indices: list[int]) -> None:
@@ -330,8 +415,8 @@ class _PoolRef:
 class TokenPoolRef(_PoolRef):
     """SPEC section 2: the pool at page size 1 (a page is a token)."""
 
-    def __init__(self, size: int, need_sort: bool = False, shared_with=None):
-        super().__init__(size, 1, need_sort, shared_with)
+    def __init__(self, size: int, need_sort: bool = False, **side):
+        super().__init__(size, 1, need_sort, **side)
 
     def _check_token_pages_freeable(self, indices, queued_ok, what) -> None:
         # No dedup anywhere at page size 1: every token is freed exactly once.
@@ -341,10 +426,10 @@ class TokenPoolRef(_PoolRef):
             seen.add(i)
             _require(self._state[i] == self._held, f"{what}: token {i} is {self._state[i]}, not held (double free)")
 
-    def _release(self, tokens: list[int]) -> None:
+    def _release_parents(self, tokens: list[int]) -> None:
         # Appended (the page pool prepends), or staged until the next merge.
         for t in tokens:
-            self._state[t] = STAGED if self.need_sort else FREE
+            self._list.state[t] = STAGED if self.need_sort else FREE
         if self.need_sort:
             self.release_pages.extend(tokens)
         else:
@@ -370,9 +455,9 @@ class TokenPoolRef(_PoolRef):
     def alloc(self, need_size) -> list[int] | None:
         n = _int(need_size, "alloc: need_size")
         _require(n >= 0, f"alloc: need_size {n} < 0")
-        if self.need_sort and n > len(self.free_pages):
+        if self.need_sort and n > self._free_room():
             self.merge_and_sort_free()
-        if n > len(self.free_pages):
+        if n > self._free_room():
             return None
         return self._take(n)
 
@@ -395,9 +480,9 @@ class TokenPoolRef(_PoolRef):
 class PagePoolRef(_PoolRef):
     """SPEC section 1: the pool at page size > 1."""
 
-    def __init__(self, size: int, page_size: int, need_sort: bool = False, shared_with=None):
+    def __init__(self, size: int, page_size: int, need_sort: bool = False, **side):
         _require(_int(page_size, "page_size") >= 2, "PagePoolRef needs page_size >= 2 (use TokenPoolRef)")
-        super().__init__(size, page_size, need_sort, shared_with)
+        super().__init__(size, page_size, need_sort, **side)
 
     def _tokens_of(self, pages: list[int]) -> list[int]:
         ps = self.page_size
@@ -410,11 +495,11 @@ class PagePoolRef(_PoolRef):
             ok = state == self._held or (queued_ok and state == self._queued_tokens)
             _require(ok, f"{what}: page {page} is {state}, not held (double free)")
 
-    def _release(self, pages: list[int]) -> None:
+    def _release_parents(self, pages: list[int]) -> None:
         # need_sort: staged until the next merge; else prepended, so the pages
         # freed last are handed out first.
         for p in pages:
-            self._state[p] = STAGED if self.need_sort else FREE
+            self._list.state[p] = STAGED if self.need_sort else FREE
         if self.need_sort:
             self.release_pages.extend(pages)
         else:
@@ -465,9 +550,9 @@ class PagePoolRef(_PoolRef):
         _require(need_size >= 0 and need_size % self.page_size == 0,
                  f"alloc: need_size {need_size} is not a multiple of the page size {self.page_size}")
         n = need_size // self.page_size
-        if n > len(self.free_pages):
+        if n > self._free_room():
             self.merge_and_sort_free()
-        if n > len(self.free_pages):
+        if n > self._free_room():
             return None
         return self._tokens_of(self._take(n))
 
@@ -481,9 +566,9 @@ class PagePoolRef(_PoolRef):
         bs = len(seq_lens)
         need = _new_pages_extend(prefix_lens, seq_lens, ps)
         # Merge on a cheap upper bound of the pages needed, not on `need` itself.
-        if ext // ps + bs + 1 > len(self.free_pages):
+        if ext // ps + bs + 1 > self._free_room():
             self.merge_and_sort_free()
-        if need > len(self.free_pages):
+        if need > self._free_room():
             return None
         pages = self._take(need)
         out = []
@@ -513,11 +598,11 @@ class PagePoolRef(_PoolRef):
         self.check_alloc_decode(seq_lens, last_loc)
         ps = self.page_size
         # Merge on the batch size (every request might need a page).
-        if len(seq_lens) > len(self.free_pages):
+        if len(seq_lens) > self._free_room():
             self.merge_and_sort_free()
         needs_page = [s % ps == 1 for s in seq_lens]
         need = sum(needs_page)
-        if need > len(self.free_pages):
+        if need > self._free_room():
             return None
         pages = iter(self._take(need))
         return [next(pages) * ps if new else last + 1 for new, last in zip(needs_page, last_loc)]
@@ -535,25 +620,38 @@ class SWAAllocatorRef:
     of every change it will make, so that a refused call changes nothing.
     """
 
-    def __init__(self, size: int, size_swa: int, page_size: int, need_sort: bool = False, shared: bool = False):
-        """shared: the shared mode (section 8), whose SWA side shares the full side's
-        list; size_swa must equal size."""
+    def __init__(self, size: int, size_swa: int, page_size: int, need_sort: bool = False, shared: bool = False,
+                 parent_k: int = 1, small_side: str = "swa"):
+        """shared: the shared mode (section 8), one list of parents for both sides: a
+        parent holds one page of the larger-entry side or parent_k pages of small_side
+        ("full" or "swa"), whose size must be parent_k times the other side's."""
         size = _int(size, "size")
         size_swa = _int(size_swa, "size_swa")
         page_size = _int(page_size, "page_size")
+        parent_k = _int(parent_k, "parent_k")
         _require(page_size >= 1, f"page_size must be >= 1, got {page_size}")
-        _require(not shared or size_swa == size, f"size_swa {size_swa} must equal size {size} in the shared mode")
+        _require(parent_k >= 1, f"parent_k must be >= 1, got {parent_k}")
+        _require(small_side in ("full", "swa"), f"small_side must be 'full' or 'swa', got {small_side!r}")
+        _require(shared or parent_k == 1, "parent_k > 1 needs the shared mode")
+        small_is_swa = small_side == "swa"
+        large_size = size if small_is_swa else size_swa
+        _require(not shared or (size_swa if small_is_swa else size) == large_size * parent_k,
+                 f"{'size_swa' if small_is_swa else 'size'} must be parent_k ({parent_k}) times the other side's size")
         self.page_size = page_size
         self.need_sort = bool(need_sort)
         self.shared = bool(shared)
+        self.parent_k = parent_k
+        self.small_side = small_side
+        page_list = _PageList(large_size // page_size) if shared else None
 
-        def pool(slots, shared_with=None):
+        def pool(slots, held, small):
+            side = dict(page_list=page_list, held=held, parent_k=parent_k if shared and small else None)
             if page_size == 1:
-                return TokenPoolRef(slots, need_sort, shared_with)
-            return PagePoolRef(slots, page_size, need_sort, shared_with)
+                return TokenPoolRef(slots, need_sort, **side)
+            return PagePoolRef(slots, page_size, need_sort, **side)
 
-        self.full_attn_allocator = pool(size)
-        self.swa_attn_allocator = pool(size_swa, self.full_attn_allocator if shared else None)
+        self.full_attn_allocator = pool(size, HELD, not small_is_swa)
+        self.swa_attn_allocator = pool(size_swa, HELD_SWA if shared else HELD, small_is_swa)
         self._size_full = size
         self._size_swa = size_swa
         self.clear()
@@ -604,8 +702,10 @@ class SWAAllocatorRef:
         ps = self.page_size
         num_full_pages = _int(num_full_pages, "num_full_pages")
         num_swa_pages = _int(num_swa_pages, "num_swa_pages")
-        if self.shared:  # one list: the sum must fit
-            return num_full_pages + num_swa_pages <= self.full_available_size() // ps
+        if self.shared:  # one list: the parents both sides bind must fit
+            full, swa = self.full_attn_allocator, self.swa_attn_allocator
+            parents = len(full.free_pages) + len(full.release_pages)
+            return full.parents_for(num_full_pages) + swa.parents_for(num_swa_pages) <= parents
         return num_full_pages <= self.full_available_size() // ps and num_swa_pages <= self.swa_available_size() // ps
 
     def _merge_shared(self, full_mark: int, swa_mark: int | None, full_pages: int, swa_pages: int) -> None:
@@ -613,9 +713,12 @@ class SWAAllocatorRef:
         pages when a side's mark (the low mark its pool would merge on) is above the free
         pages left once the other side's pages are set aside. The pools' own merges then
         never fire: the one list holds what both take. swa_mark None: no SWA pages."""
-        free = len(self.full_attn_allocator.free_pages)
-        swa_due = swa_mark is not None and swa_mark > free - full_pages
-        if self.shared and (full_mark > free - swa_pages or swa_due):
+        full, swa = self.full_attn_allocator, self.swa_attn_allocator
+        if not self.shared:
+            return
+        free = len(full.free_pages)
+        swa_due = swa_mark is not None and swa_mark > swa._pages_of_parents(free - full.parents_for(full_pages))
+        if full_mark > full._pages_of_parents(free - swa.parents_for(swa_pages)) or swa_due:
             self.full_attn_allocator.merge_and_sort_free()
 
     # ---- mapping

@@ -75,6 +75,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     need_sort = False
     kernels = "auto"  # "emulated": the device algorithm, its kernels run on the CPU
     shared = False  # the shared mode (SPEC.md section 8): one list for full and SWA pages
+    parent_k = 1  # the shared mode's parent pages: parent_k SWA pages (the small side) to a parent
 
     def __init__(self):
         super().__init__()
@@ -146,7 +147,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def setup(self, full_pages, swa_pages, extra_tokens, debug):
         ps = self.ps
         size = full_pages * ps + (extra_tokens % ps)  # sizes need not be page multiples
-        size_swa = size if self.shared else swa_pages * ps
+        size_swa = size * self.parent_k if self.shared else swa_pages * ps
         # SWA_EXT_DEBUG=1 at construction: every mutating call runs check_invariants().
         # The device algorithm checks index values on the device; only in debug mode does a
         # bad call raise before it changes anything, which bad_call expects.
@@ -156,14 +157,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         try:
             self.native = swa_ext.SWATokenToKVPoolAllocator(
                 size, size_swa, ps, torch.bfloat16, "cpu", need_sort=self.need_sort, kernels=self.kernels,
-                shared=self.shared,
+                shared=self.shared, parent_k=self.parent_k,
             )
         finally:
             if saved is None:
                 del os.environ["SWA_EXT_DEBUG"]
             else:
                 os.environ["SWA_EXT_DEBUG"] = saved
-        self.ref = SWAAllocatorRef(size, size_swa, ps, self.need_sort, shared=self.shared)
+        self.ref = SWAAllocatorRef(size, size_swa, ps, self.need_sort, shared=self.shared, parent_k=self.parent_k)
 
     # ------------------------------------------------------------ invariants
 
@@ -179,8 +180,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert used == (r.full_used_size(), r.swa_used_size())
         # Every page is available or held by one kind (the shared mode's one list), or by its side.
         pages = r.full_attn_allocator.num_pages * r.page_size
-        if self.shared:
-            assert sum(used) + n.available_size() == pages
+        if self.shared:  # in SWA pages (parent_k to a parent): held full parents, held SWA pages, the SWA side's room
+            assert used[0] * self.parent_k + used[1] + n.swa_available_size() == pages * self.parent_k
         else:
             assert used[0] + n.full_available_size() == pages
             assert used[1] + n.swa_available_size() == r.swa_attn_allocator.num_pages * r.page_size
@@ -541,20 +542,23 @@ class AllocatorMachine(RuleBasedStateMachine):
             rid = data.draw(st.sampled_from([r for r in live if len(self.reqs[r].row) > self.reqs[r].evicted]))
             q = self.reqs[rid]
             swa_slot = self.native.translate_loc_from_full_to_swa(T(q.row[q.evicted :])).tolist()[0]
+            # The full slot of the parent that holds it (the SWA slot itself at parent_k 1).
+            full_slot = swa_slot // (ps * self.parent_k) * ps + swa_slot % ps
             call = data.draw(st.sampled_from(["free", "free_full", "free_full_segment"]))
             if call == "free_full_segment":
-                self._expect_error(call, T([swa_slot // ps * ps + k for k in range(ps)]), start_pos=0)
+                self._expect_error(call, T([full_slot // ps * ps + k for k in range(ps)]), start_pos=0)
             else:
-                self._expect_error(call, T([swa_slot]))
+                self._expect_error(call, T([full_slot]))
         else:  # pragma: no cover
             raise AssertionError(kind)
 
 
-def _machine(page_size, need_sort, kernels="auto", shared=False):
+def _machine(page_size, need_sort, kernels="auto", shared=False, parent_k=1):
     return type(
-        f"AllocatorMachine_ps{page_size}_{'sorted' if need_sort else 'unsorted'}_{kernels}{'_shared' if shared else ''}",
+        f"AllocatorMachine_ps{page_size}_{'sorted' if need_sort else 'unsorted'}_{kernels}{'_shared' if shared else ''}"
+        f"{f'_k{parent_k}' if parent_k > 1 else ''}",
         (AllocatorMachine,),
-        {"page_size": page_size, "need_sort": need_sort, "kernels": kernels, "shared": shared},
+        {"page_size": page_size, "need_sort": need_sort, "kernels": kernels, "shared": shared, "parent_k": parent_k},
     )
 
 
@@ -580,6 +584,16 @@ def test_native_matches_reference(page_size, need_sort, shared, request):
     _run(_machine(page_size, need_sort, shared=shared), request.config.getoption("--slow"), CI_EXAMPLES)
 
 
+@pytest.mark.parametrize("parent_k", [2, 3, 10])
+@pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+def test_parent_pages_match_reference(page_size, need_sort, parent_k, request):
+    """The shared mode at parent_k > 1 (the SWA side small, parent_k SWA pages to a parent) on
+    the CPU store against the reference; parent_k 1 is test_native_matches_reference's shared mode."""
+    _run(_machine(page_size, need_sort, shared=True, parent_k=parent_k), request.config.getoption("--slow"),
+         CI_EXAMPLES_EMULATED)
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["default", "shared"])
 @pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -587,3 +601,35 @@ def test_device_algorithm_matches_reference(page_size, need_sort, shared, reques
     """The CUDA path's ops, run element by element on the CPU, against the reference
     (which the CPU store matches call by call in test_native_matches_reference)."""
     _run(_machine(page_size, need_sort, "emulated", shared), request.config.getoption("--slow"), CI_EXAMPLES_EMULATED)
+
+
+def test_batched_eviction_releases_child_pages_request_by_request():
+    """One evict_out_of_window over two requests releases as one free_swa_segment each, in
+    batch order, would at parent_k > 1: each request's evicted child page leaves its parent
+    partly used, and the parent made partly used last (the second request's) is the first a
+    later allocation takes from. The regression of a batched eviction that returned the
+    child pages in the prepend order of whole pages (the last request's first)."""
+    ps, k = 2, 2
+    native = swa_ext.SWATokenToKVPoolAllocator(8 * ps, 8 * ps * k, ps, torch.bfloat16, "cpu", shared=True, parent_k=k)
+    ref = SWAAllocatorRef(8 * ps, 8 * ps * k, ps, shared=True, parent_k=k)
+    rows = []
+    for alloc in (native, ref):
+        # Two requests of two pages each: each one's SWA pages are the two child pages of one parent.
+        out = alloc.alloc_extend(T([0, 0]), T([0, 0]), T([4, 4]), T([4, 4]), T([-1, -1]), 8)
+        rows.append(out.tolist() if isinstance(out, torch.Tensor) else out)
+    assert rows[0] == rows[1]
+    row = rows[0]
+    swa_parents = [native.translate_loc_from_full_to_swa(T(row[j * 4: j * 4 + 1])).item() // (ps * k) for j in (0, 1)]
+    assert swa_parents[0] != swa_parents[1]
+    req_to_token = torch.tensor([[0] * 4, row[:4], row[4:]], dtype=torch.int64)
+    new = native.evict_out_of_window(req_to_token, T([1, 2]), T([4, 4]), T([0, 0]), 2, 1, False).tolist()
+    assert new == [ps, ps]
+    for j in (0, 1):
+        ref.free_swa_segment(row[j * 4: j * 4 + ps], start_pos=0)
+    assert native.swa_attn_allocator.free_pages.tolist() == ref.swa_attn_allocator.free_pages
+    # A new request's SWA page: the free child page of the second request's parent.
+    out = native.alloc_extend(T([0]), T([0]), T([ps]), T([ps]), T([-1]), ps)
+    assert out.tolist() == ref.alloc_extend(T([0]), T([0]), T([ps]), T([ps]), T([-1]), ps)
+    assert native.translate_loc_from_full_to_swa(out[:1]).item() // (ps * k) == swa_parents[1]
+    assert native.full_to_swa_index_mapping.tolist() == ref.full_to_swa_index_mapping
+    native.check_invariants()

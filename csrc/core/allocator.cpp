@@ -29,9 +29,10 @@ Destination destination(PoolStore& pool, bool by_index) {
   return release_destination(pool.group_open(), by_index, pool.need_sort(), pool.token_mode());
 }
 
-// by_index: the claims are free()'s (slots), else pages by id or segment.
-void release_claims(PoolStore& pool, bool by_index) {
-  pool.release_claims(destination(pool, by_index), release_order(by_index, pool.geometry().size));
+// by_index: the claims are free()'s (slots), else pages by id or segment; releases: as
+// PoolStore::release_claims.
+void release_claims(PoolStore& pool, bool by_index, Span releases = Span()) {
+  pool.release_claims(destination(pool, by_index), release_order(by_index, pool.geometry().size), releases);
 }
 
 void merge_staged(PoolStore& pool) {
@@ -39,7 +40,7 @@ void merge_staged(PoolStore& pool) {
 }
 
 void merge_if_due(PoolStore& pool, const AllocPlan& plan, PoolRole role) {
-  if (merge_due(plan, role, pool.free_pages(), pool.geometry())) merge_staged(pool);
+  if (merge_due(plan, role, pool.free_side_pages(), pool.geometry())) merge_staged(pool);
 }
 
 void end_group(PoolStore& pool, GroupOrder order) {
@@ -64,7 +65,7 @@ bool PoolAllocator::allocate(const AllocPlan& plan, const BatchLengths& batch, c
                              OutBuffer& out) {
   store_->validate_batch(batch, last_loc, call);
   merge_if_due(*store_, plan, PoolRole::kFull);
-  if (pool_refused(plan, store_->free_pages())) return false;
+  if (pool_refused(plan, store_->free_side_pages())) return false;
   store_->write_batch(plan, batch, last_loc, call, out);
   return true;
 }
@@ -148,8 +149,9 @@ void PoolAllocator::restore_state(const PagePool& state) {
 HybridAllocator::HybridAllocator(std::unique_ptr<HybridStore> store)
     : store_(std::move(store)), page_(store_->full().geometry()) {}
 
-int64_t HybridAllocator::mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list) {
-  check_hybrid_shape(size, size_swa, page_size, shares_list);
+int64_t HybridAllocator::mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list,
+                                      const ParentLayout& parents) {
+  check_hybrid_shape(size, size_swa, page_size, shares_list, parents);
   return size + page_size + 1;
 }
 
@@ -158,25 +160,21 @@ int64_t HybridAllocator::available_size() {
 }
 
 bool HybridAllocator::new_pages_available(int64_t num_full_pages, int64_t num_swa_pages) {
-  return demand_fits(num_full_pages, num_swa_pages, full().available_pages(), swa().available_pages(),
-                     store_->shares_list());
+  return demand_fits(num_full_pages, num_swa_pages, full().room(), swa().room(), store_->shares_list());
 }
 
 bool HybridAllocator::reservation_fits(const Reservation& reservation) {
   check_reservation(reservation);
-  const auto room = [](PoolStore& pool) {
-    return PoolRoom{pool.available_pages(), pool.num_pages(), pool.size()};
-  };
-  return swa::reservation_fits(reservation, room(full()), room(swa()), store_->shares_list(), page_);
+  return swa::reservation_fits(reservation, full().room(), swa().room(), store_->shares_list(), page_);
 }
 
 bool HybridAllocator::allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call,
                                OutBuffer& out) {
   store_->validate_batch(plan, batch, last_loc, call);
   // Atomic: both pools are checked before either is touched, merges included.
-  if (hybrid_refused(plan, full().available_pages(), swa().available_pages(), store_->shares_list())) return false;
+  if (hybrid_refused(plan, full().room(), swa().room(), store_->shares_list())) return false;
   if (store_->shares_list()) {  // one list: one merge, for the pages of both kinds
-    if (shared_list_merge_due(plan, full().free_pages(), page_)) merge_staged(full());
+    if (shared_list_merge_due(plan, full().room(false), swa().room(false), page_)) merge_staged(full());
   } else {
     merge_if_due(full(), plan, PoolRole::kFull);
     merge_if_due(swa(), plan, PoolRole::kSwa);
@@ -223,9 +221,9 @@ void HybridAllocator::clear_mapping(Span full_indices) {
   store_->clear_mapping(full_indices);
 }
 
-void HybridAllocator::release_swa(bool by_index) {
+void HybridAllocator::release_swa(bool by_index, Span releases) {
   store_->clear_claimed_mapping();
-  release_claims(swa(), by_index);
+  release_claims(swa(), by_index, releases);
 }
 
 // The hybrid free sequence: claim the full side, claim the SWA side (checked all of it),
@@ -298,16 +296,18 @@ void HybridAllocator::evict_out_of_window(const SlotRows& req_to_token, Span row
                                           bool prefix_sharing, int64_t* new_evicted) {
   store_->check_usable();
   plan_window_eviction(req_to_token.num_rows, req_to_token.row_len, rows, pre_lens, evicted_seqlens, window, interval,
-                       prefix_sharing, page_, destination(swa(), false), new_evicted, eviction_);
+                       prefix_sharing, page_, destination(swa(), false), swa().pages_per_parent() > 1, new_evicted,
+                       eviction_);
   if (eviction_.total_pages() == 0) return;
   ClaimScope<HybridStore> scope(*store_);
   store_->claim_swa_of_evicted(req_to_token, eviction_);
   scope.confirm();
-  release_swa(false);
+  release_swa(false, eviction_.release_each ? Span(eviction_.page_begin) : Span());
 }
 
 void HybridAllocator::resize(int64_t size, int64_t size_swa) {
-  check_hybrid_resize(size, size_swa, page_.size, full().capacity(), swa().capacity(), store_->shares_list());
+  check_hybrid_resize(size, size_swa, page_.size, full().capacity(), swa().capacity(), store_->shares_list(),
+                      store_->parents());
   store_->resize(size, size_swa);
 }
 
@@ -315,7 +315,9 @@ void HybridAllocator::restore_state(const AllocatorState& state) {
   check_state_shape("an allocator", static_cast<int64_t>(state.mapping.size()) == store_->mapping_len() &&
                                         state.full.size() == full().size() && state.swa.size() == swa().size() &&
                                         state.full.page_size() == page_.size &&
-                                        state.swa.shares_list() == store_->shares_list());
+                                        state.swa.shares_list() == store_->shares_list() &&
+                                        state.full.pages_per_parent() == full().pages_per_parent() &&
+                                        state.swa.pages_per_parent() == swa().pages_per_parent());
   store_->restore(state);
 }
 

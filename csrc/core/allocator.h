@@ -57,7 +57,8 @@ class HybridAllocator {
  public:
   explicit HybridAllocator(std::unique_ptr<HybridStore> store);
   // The mapping table's length for pools of this shape, which it checks first.
-  static int64_t mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list);
+  static int64_t mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list,
+                              const ParentLayout& parents = ParentLayout{});
 
   HybridStore& store() { return *store_; }
   PoolStore& full() { return store_->full(); }
@@ -117,8 +118,9 @@ class HybridAllocator {
   void free_by_representatives(Span indices, Call call, bool full_side, bool swa_side, bool by_index);
   // free_segment / free_swa_segment / free_full_segment.
   void free_pages_of_segment(Span indices, int64_t start_pos, Call call, bool full_side, bool swa_side);
-  // The SWA side of a free, once claimed: mapping cleared, pages released.
-  void release_swa(bool by_index);
+  // The SWA side of a free, once claimed: mapping cleared, pages released (releases: as
+  // PoolStore::release_claims; an eviction's, one a request, where its pages are child pages).
+  void release_swa(bool by_index, Span releases = Span());
   bool allocate(const AllocPlan& plan, const BatchLengths& batch, const LastLoc& last_loc, Call call,
                 OutBuffer& out);
 

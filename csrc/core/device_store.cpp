@@ -403,7 +403,9 @@ void DevicePool::release(const int64_t* pages, int64_t n, const int64_t* device_
   }
 }
 
-void DevicePool::release_claims(Destination dest, ReleaseOrder order) {
+// releases: always empty, since this store's pages are whole pages (pages_per_parent 1),
+// which an eviction releases as one block.
+void DevicePool::release_claims(Destination dest, ReleaseOrder order, Span) {
   const int64_t count = claim_count_;
   claim_count_ = 0;
   if (count == 0) return;
@@ -519,7 +521,7 @@ void DevicePool::restore(const PagePool& state) {
 DeviceHybridStore::DeviceHybridStore(std::shared_ptr<Executor> executor, int64_t size, int64_t size_swa,
                                      int64_t page_size, bool need_sort, bool shares_list, bool debug, int64_t* mapping,
                                      int64_t mapping_len)
-    : HybridStore(shares_list),
+    : HybridStore(shares_list, ParentLayout{}),
       page_(page_size),
       control_(std::make_shared<DeviceControl>(std::move(executor), shares_list ? 1 : 2, debug)),
       full_(std::make_shared<DevicePool>(control_, 0, size, page_size, need_sort)),

@@ -130,6 +130,10 @@ class DevicePool final : public PoolStore {
   int64_t capacity() const override { return capacity_; }
   const PageGeometry& geometry() const override { return page_; }
   int64_t num_pages() const override { return num_pages_; }
+  int64_t num_parents() const override { return num_pages_; }
+  // Parent pages at parent_k > 1 are the host store's alone (the bindings refuse them here).
+  int64_t pages_per_parent() const override { return 1; }
+  int64_t free_children() override { return 0; }
   bool need_sort() const override { return need_sort_; }
   int64_t free_pages() override;  // may wait for a pending read-back
   int64_t staged_pages() override;
@@ -147,7 +151,7 @@ class DevicePool final : public PoolStore {
   void claim_page_ids(Span pages, Call call) override;
   void confirm_claims() override { control_->launch_claims(); }
   void undo_claims() override;
-  void release_claims(Destination dest, ReleaseOrder order) override;
+  void release_claims(Destination dest, ReleaseOrder order, Span releases) override;
   void release_group(GroupQueue queue, Destination dest, ReleaseOrder order) override;
   void clear() override;
   void resize(int64_t size) override;

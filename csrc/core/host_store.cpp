@@ -5,13 +5,21 @@
 
 namespace swa {
 
+namespace {
+
+std::pair<std::shared_ptr<PagePool>, std::shared_ptr<PagePool>> hybrid_pools(int64_t size, int64_t size_swa,
+                                                                             int64_t page_size, bool need_sort,
+                                                                             bool shares_list, const ParentLayout& parents) {
+  if (shares_list) return PagePool::shared_sides(size, size_swa, page_size, need_sort, parents);
+  return {std::make_shared<PagePool>(size, page_size, need_sort), std::make_shared<PagePool>(size_swa, page_size, need_sort)};
+}
+
+}  // namespace
+
 HostHybridStore::HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, bool shares_list,
-                                 int64_t* mapping, int64_t mapping_len)
-    : HybridStore(shares_list),
-      full_(std::make_shared<PagePool>(size, page_size, need_sort)),
-      swa_(shares_list ? PagePool::swa_side_of(*full_) : std::make_shared<PagePool>(size_swa, page_size, need_sort)),
-      mapping_(mapping),
-      mapping_len_(mapping_len) {
+                                 const ParentLayout& parents, int64_t* mapping, int64_t mapping_len)
+    : HybridStore(shares_list, parents), mapping_(mapping), mapping_len_(mapping_len) {
+  std::tie(full_, swa_) = hybrid_pools(size, size_swa, page_size, need_sort, shares_list, parents);
   reset_mapping();
 }
 
@@ -95,7 +103,8 @@ void HostHybridStore::write_decode(const BatchLengths& batch, const LastLoc& las
   const int64_t* const mapping = mapping_;
   int64_t* __restrict full_out = full_slots;
   int64_t* __restrict swa_out = swa_slots_.data();
-  PagePool::HeadPages full_pages = full_->head_pages(), swa_pages = swa_->head_pages(swa_skip);
+  const int64_t n = batch.size();  // at most one new page a request on each side
+  PagePool::HeadPages full_pages = full_->head_pages(0, n), swa_pages = swa_->head_pages(swa_skip, n);
   for (int64_t j = 0; j < batch.size(); ++j) {
     if (continues_partial_page(batch.prefix(j), batch.seq_lens[j], page)) {
       full_out[j] = last[j] + 1;
@@ -114,8 +123,8 @@ void HostHybridStore::write_batch(const AllocPlan& plan, const BatchLengths& bat
   int64_t* full_slots = out.get(plan.num_tokens);
   if (plan.call == AllocCall::kDecode && !full_->token_mode()) {  // at page size 1 the ring copies below are faster
     swa_slots_.resize(static_cast<size_t>(plan.num_tokens));
-    // The shared mode's one list hands out the full pages first, then the SWA pages.
-    write_decode(batch, last_loc, shares_list() ? plan.full_pages : 0, full_slots);
+    // The shared mode's one list hands out the full side's parents first, then the SWA side's.
+    write_decode(batch, last_loc, shares_list() ? full_->parents_for(plan.full_pages) : 0, full_slots);
     full_->take(plan.full_pages);
     swa_->take(plan.swa_pages);
     return;
@@ -235,6 +244,9 @@ bool HostHybridStore::free_representatives_at_once(Span indices, bool full_side,
   } else if (shares_list() && full_side && swa_side && full_dest == Destination::kStaged) {
     return false;
   }
+  // Parent pages (parent_k > 1): the parents a free gives back are known only once its
+  // child pages are back, so the ordered claims free them.
+  if (full_->pages_per_parent() > 1 || swa_->pages_per_parent() > 1) return false;
   PagePool::Releaser full(*full_, full_side ? n : 0, full_dest, full_before, full_after),
       swa(*swa_, swa_side ? n : 0, swa_dest, swa_before, swa_after);
   if (!full.fits() || !swa.fits()) return false;

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "page_pool.h"
@@ -15,8 +17,9 @@ namespace swa {
 class HostHybridStore final : public HybridStore {
  public:
   // mapping: caller-owned storage of mapping_len int64 values; it must outlive the store.
-  HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, bool shares_list, int64_t* mapping,
-                  int64_t mapping_len);
+  // parents: the shared mode's parent pages (parent_k 1 otherwise).
+  HostHybridStore(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, bool shares_list,
+                  const ParentLayout& parents, int64_t* mapping, int64_t mapping_len);
 
   PoolStore& full() override { return *full_; }
   PoolStore& swa() override { return *swa_; }

@@ -6,23 +6,29 @@
 namespace swa {
 
 PagePool::PagePool(int64_t size, int64_t page_size, bool need_sort, const PageKind& kind)
-    : size_(size), num_pages_(0), capacity_(size), geometry_(page_size), need_sort_(need_sort), kind_(kind) {
+    : size_(size), num_pages_(0), num_parents_(0), capacity_(size), geometry_(page_size), need_sort_(need_sort),
+      kind_(kind) {
   check_pool_shape("size", size, page_size);
-  num_pages_ = size / page_size;
+  num_pages_ = num_parents_ = size / page_size;
   list_->ring.resize(static_cast<size_t>(num_pages_));
   list_->state.resize(static_cast<size_t>(num_pages_ + 1));
   reset_state();
 }
 
-std::shared_ptr<PagePool> PagePool::swa_side_of(PagePool& full_side) {
-  auto swa = std::make_shared<PagePool>(full_side.geometry_.size, full_side.geometry_.size, full_side.need_sort_,
-                                        PageKind::swa());  // the smallest pool: its lists are replaced below
-  swa->size_ = full_side.size_;
-  swa->num_pages_ = full_side.num_pages_;
-  swa->capacity_ = full_side.capacity_;
-  swa->list_.share(full_side.list_);
-  swa->shares_list_ = full_side.shares_list_ = true;
-  return swa;
+std::pair<std::shared_ptr<PagePool>, std::shared_ptr<PagePool>> PagePool::shared_sides(
+    int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const ParentLayout& parents) {
+  const bool small_full = parents.small_side == Side::kFull;
+  // The large side's pool holds the list: its pages are the parents.
+  auto large = std::make_shared<PagePool>(small_full ? size_swa : size, page_size, need_sort,
+                                          small_full ? PageKind::swa() : PageKind::full());
+  auto small = std::make_shared<PagePool>(page_size, page_size, need_sort,
+                                          small_full ? PageKind::full() : PageKind::swa());  // its lists replaced below
+  small->list_.share(large->list_);
+  small->shares_list_ = large->shares_list_ = true;
+  small->pages_per_parent_ = parents.k;
+  small->capacity_ = small_full ? size : size_swa;
+  small->resize(small->capacity_);
+  return small_full ? std::pair{small, large} : std::pair{large, small};
 }
 
 PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
@@ -46,12 +52,19 @@ PagePool PagePool::from_parts(int64_t size, int64_t page_size, bool need_sort, c
 }
 
 void PagePool::reset_state() {
-  for (int64_t k = 0; k < num_pages_; ++k) list_->ring[k] = k + 1;
+  for (int64_t k = 0; k < num_parents_; ++k) list_->ring[k] = k + 1;
   list_->head = 0;
-  list_->free_count = num_pages_;
+  list_->free_count = num_parents_;
   list_->staged.clear();
   std::fill(list_->state.begin(), list_->state.end(), PageState::kFree);
   list_->state[0] = PageState::kHeld;  // the padding page is never handed out nor freed
+  if (pages_per_parent_ > 1) {  // the small side: every parent unbound, parent 0's child pages padding
+    std::fill(child_state_.begin(), child_state_.end(), PageState::kFree);
+    std::fill(child_state_.begin() + 1, child_state_.begin() + pages_per_parent_, PageState::kPadding);
+    child_state_[0] = PageState::kHeld;
+    std::fill(free_in_parent_.begin(), free_in_parent_.end(), 0);
+    partial_head_ = free_children_ = 0;
+  }
   group_open_ = false;
   group_index_pages_.clear();
   group_page_ids_.clear();
@@ -62,6 +75,22 @@ void PagePool::reset_state() {
 void PagePool::clear() { reset_state(); }
 
 void PagePool::resize(int64_t size) {
+  if (pages_per_parent_ > 1) {
+    // The small side: its child pages over the list the large side sizes (hybrid resize
+    // resizes both; the list's parents are its size / parent_k in pages).
+    size_ = size;
+    num_parents_ = size / geometry_.size / pages_per_parent_;
+    num_pages_ = child_page_count(num_parents_, pages_per_parent_);
+    list_->ring.resize(static_cast<size_t>(num_parents_));
+    list_->state.resize(static_cast<size_t>(num_parents_ + 1));
+    child_state_.assign(static_cast<size_t>(num_pages_ + 1), PageState::kFree);
+    free_in_parent_.assign(static_cast<size_t>(num_parents_ + 1), 0);
+    partial_next_.assign(static_cast<size_t>(num_parents_ + 1), 0);
+    partial_prev_.assign(static_cast<size_t>(num_parents_ + 1), 0);
+    group_open_ = false;
+    reset_state();
+    return;
+  }
   PagePool resized(size, geometry_.size, need_sort_, kind_);
   resized.capacity_ = capacity_;
   resized.shares_list_ = shares_list_;
@@ -88,15 +117,96 @@ void PagePool::merge() {
 }
 
 void PagePool::take(int64_t n) {
+  held_count_ += n;
+  const int64_t parents = pages_per_parent_ > 1 ? take_children(n) : n;
+  // The parents bound from the head: the large side's pages, the small side's parents.
   PageState* const state = list_->state.data();
   const PageState held = kind_.held;
-  head_ranges(n, [state, held](const int64_t* first, const int64_t* last) {
+  head_ranges(parents, [state, held](const int64_t* first, const int64_t* last) {
     for (const int64_t* p = first; p != last; ++p) state[*p] = held;
   });
-  list_->head += n;
-  if (list_->head >= num_pages_) list_->head -= num_pages_;
-  list_->free_count -= n;
-  held_count_ += n;
+  list_->head += parents;
+  if (list_->head >= num_parents_) list_->head -= num_parents_;
+  list_->free_count -= parents;
+}
+
+const int64_t* PagePool::next_pages(int64_t skip, int64_t n) const {
+  next_pages_.resize(static_cast<size_t>(n));
+  const int64_t k = pages_per_parent_;
+  int64_t got = 0;
+  for (int64_t parent = partial_head_; parent != 0 && got < n; parent = partial_next_[parent])
+    for (int64_t c = first_child(parent, k); c < first_child(parent, k) + k && got < n; ++c)
+      if (child_state_[c] == PageState::kFree) next_pages_[got++] = c;
+  for (int64_t q = skip; q < list_->free_count && got < n; ++q)
+    for (int64_t c = first_child(page_at(q), k); c < first_child(page_at(q), k) + k && got < n; ++c)
+      next_pages_[got++] = c;
+  return next_pages_.data();
+}
+
+int64_t PagePool::take_children(int64_t n) {
+  const int64_t k = pages_per_parent_;
+  PageState* const child = child_state_.data();
+  while (n > 0 && partial_head_ != 0) {  // the partly used parents first, each one's free pages in order
+    const int64_t parent = partial_head_;
+    for (int64_t c = first_child(parent, k); c < first_child(parent, k) + k && n > 0; ++c) {
+      if (child[c] != PageState::kFree) continue;
+      child[c] = kind_.held;
+      --n;
+      --free_in_parent_[parent];
+      --free_children_;
+    }
+    if (free_in_parent_[parent] == 0) unlink_partial(parent);
+  }
+  const int64_t parents = (n + k - 1) / k;
+  for (int64_t q = 0; q < parents; ++q) {  // fresh parents, their child pages in order
+    const int64_t parent = page_at(q), first = first_child(parent, k);
+    const int64_t used = n < k ? n : k;
+    std::fill_n(child + first, used, kind_.held);
+    n -= used;
+    if (used < k) {  // the last one, partly used: its free pages are the next to go
+      free_in_parent_[parent] = k - used;
+      free_children_ += k - used;
+      link_partial(parent);
+    }
+  }
+  return parents;
+}
+
+void PagePool::return_children(const std::vector<int64_t>& pages, std::vector<int64_t>& whole) {
+  const int64_t k = pages_per_parent_;
+  for (int64_t c : pages) {
+    child_state_[c] = PageState::kFree;
+    const int64_t parent = parent_of(c, k);
+    if (++free_in_parent_[parent] == k) {  // its last child page: the parent goes back to the list
+      if (k > 1) unlink_partial(parent);
+      free_in_parent_[parent] = 0;
+      free_children_ -= k - 1;
+      whole.push_back(parent);
+    } else {
+      ++free_children_;
+      if (free_in_parent_[parent] == 1) link_partial(parent);
+    }
+  }
+}
+
+void PagePool::link_partial(int64_t parent) {
+  partial_prev_[parent] = 0;
+  partial_next_[parent] = partial_head_;
+  if (partial_head_ != 0) partial_prev_[partial_head_] = parent;
+  partial_head_ = parent;
+}
+
+void PagePool::unlink_partial(int64_t parent) {
+  const int64_t prev = partial_prev_[parent], next = partial_next_[parent];
+  (prev != 0 ? partial_next_[prev] : partial_head_) = next;
+  if (next != 0) partial_prev_[next] = prev;
+  partial_next_[parent] = partial_prev_[parent] = 0;
+}
+
+std::vector<int64_t> PagePool::partly_used_parents() const {
+  std::vector<int64_t> parents;
+  for (int64_t parent = partial_head_; parent != 0; parent = partial_next_[parent]) parents.push_back(parent);
+  return parents;
 }
 
 void PagePool::validate_batch(const BatchLengths& batch, const LastLoc& last_loc, Call) {
@@ -114,7 +224,7 @@ void PagePool::write_batch(const AllocPlan& plan, const BatchLengths& batch, con
 void PagePool::check_last_loc(const BatchLengths& batch, const LastLoc& last_loc) const {
   if (last_loc.data == nullptr) return;  // alloc(): no prefixes
   // The rules read a held page as kHeld, whichever kind this pool holds.
-  const auto state_of_page = [this](int64_t page) { return holds(page) ? PageState::kHeld : list_->state[page]; };
+  const auto state_of_page = [this](int64_t page) { return holds(page) ? PageState::kHeld : states()[page]; };
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j), last = last_loc.data[j];
     const LastLocFault fault = last_loc_fault(last, prefix, geometry_, num_pages_, state_of_page);
@@ -128,7 +238,12 @@ void PagePool::refuse_slot(const char* arg, int64_t index) const {
        ") (page 0 is the padding page)");
 }
 
-void PagePool::refuse_claim(const char* arg, int64_t page) const { fail(arg, "page ", page, claim_refusal(list_->state[page], kind_)); }
+void PagePool::refuse_claim(const char* arg, int64_t page) const {
+  PageState state = states()[page];
+  // A small side's free child page of a parent it has not bound: the parent's state says why.
+  if (pages_per_parent_ > 1 && state == PageState::kFree) state = list_->state[parent_of(page, pages_per_parent_)];
+  fail(arg, "page ", page, claim_refusal(state, kind_));
+}
 
 int64_t PagePool::run_end(Span indices, int64_t i, int64_t page) const {
   if (geometry_.shift >= 0) {  // four at a time, without branches between them
@@ -169,21 +284,32 @@ void PagePool::claim_page_ids(Span pages, Call) {
 }
 
 void PagePool::undo_claims_after(size_t mark) {
-  for (size_t k = mark; k < claimed_.size(); ++k) list_->state[claimed_[k]] = kind_.held;
+  PageState* const state = states();
+  for (size_t k = mark; k < claimed_.size(); ++k) state[claimed_[k]] = kind_.held;
   claimed_.resize(mark);
 }
 
 void PagePool::undo_claims() { undo_claims_after(0); }
 
-void PagePool::release_claims(Destination dest, ReleaseOrder order) {
+void PagePool::release_claims(Destination dest, ReleaseOrder order, Span releases) {
+  if (releases.size > 0) {
+    std::vector<int64_t> pages;
+    for (int64_t j = 0; j + 1 < releases.size; ++j) {
+      pages.assign(claimed_.begin() + releases[j], claimed_.begin() + releases[j + 1]);
+      place_released(pages, dest, order);
+    }
+    claimed_.clear();
+    return;
+  }
   const int64_t n = static_cast<int64_t>(claimed_.size());
   int64_t log_n = 1;
   while ((int64_t{1} << log_n) < n) ++log_n;
   if (order == ReleaseOrder::kPageOrder && num_pages_ <= 4 * n * log_n) {
     // Many claims: one pass over the page states lists them in page order faster than a sort.
     claimed_.clear();
+    const PageState* const state = states();
     for (int64_t page = 1; page <= num_pages_; ++page)
-      if (list_->state[page] == kind_.claimed) claimed_.push_back(page);
+      if (state[page] == kind_.claimed) claimed_.push_back(page);
     order = ReleaseOrder::kClaimOrder;
   }
   place_released(claimed_, dest, order);
@@ -198,14 +324,26 @@ void PagePool::release_group(GroupQueue queue, Destination dest, ReleaseOrder or
 
 void PagePool::place_released(std::vector<int64_t>& pages, Destination dest, ReleaseOrder order) {
   if (order == ReleaseOrder::kPageOrder) std::sort(pages.begin(), pages.end());
+  if (pages_per_parent_ > 1 && dest != Destination::kGroupIndex && dest != Destination::kGroupPages) {
+    // The small side's child pages go back to their parents; the parents whose last child
+    // came back go where the pages would.
+    std::vector<int64_t> whole;
+    return_children(pages, whole);
+    held_count_ -= static_cast<int64_t>(pages.size());
+    Releaser placed(*this, static_cast<int64_t>(whole.size()), dest, 0, 0, true);
+    for (int64_t parent : whole) placed.place(parent);
+    placed.commit();
+    return;
+  }
   Releaser placed(*this, static_cast<int64_t>(pages.size()), dest);
   for (int64_t page : pages) placed.place(page);
   placed.commit();
 }
 
-PagePool::Releaser::Releaser(PagePool& pool, int64_t n, Destination dest, int64_t before, int64_t after)
-    : pool_(pool), dest_(dest), state_(pool.list_->state.data()), geometry_(pool.geometry_),
-      num_pages_(pool.num_pages_), held_(pool.kind_.held) {
+PagePool::Releaser::Releaser(PagePool& pool, int64_t n, Destination dest, int64_t before, int64_t after,
+                             bool parents)
+    : pool_(pool), dest_(dest), state_(parents ? pool.list_->state.data() : pool.states()), geometry_(pool.geometry_),
+      num_pages_(pool.num_parents_), held_(pool.kind_.held), parents_(parents) {
   if (std::vector<int64_t>* tail = list()) {
     placed_state_ = dest == Destination::kStaged        ? PageState::kStaged
                     : dest == Destination::kGroupIndex ? pool.kind_.queued_by_index
@@ -241,7 +379,8 @@ void PagePool::Releaser::commit() {
   committed_ = true;
   if (count_ == 0) return;  // nothing placed: the shared mode's other side may have moved the list since
   // Pages into a free group's queue stay the pool's until the group ends.
-  if (dest_ != Destination::kGroupIndex && dest_ != Destination::kGroupPages) pool_.held_count_ -= count_;
+  // Parents: their child pages left the count when they came back.
+  if (dest_ != Destination::kGroupIndex && dest_ != Destination::kGroupPages && !parents_) pool_.held_count_ -= count_;
   if (std::vector<int64_t>* tail = list()) {
     tail->resize(list_size_ + static_cast<size_t>(count_));
     return;
@@ -275,46 +414,89 @@ std::string PagePool::debug_string() const {
 
 void PagePool::check_invariants(const PagePool* other_side) const {
   auto broken = [](const std::string& what) { throw std::logic_error("pool invariant broken: " + what); };
-  if (list_->free_count < 0 || list_->free_count > num_pages_) broken("free count out of range");
+  if (list_->free_count < 0 || list_->free_count > num_parents_) broken("free count out of range");
   if (list_->state[0] != PageState::kHeld) broken("the padding page changed state");
-  std::vector<int> seen(static_cast<size_t>(num_pages_ + 1), 0);
-  auto expect = [&](int64_t page, PageState want, const char* where) {
-    if (page < 1 || page > num_pages_) broken(std::string(where) + " holds a page id out of range");
-    if (seen[page]++) broken("page " + std::to_string(page) + " is in two places (last seen in " + where + ")");
-    if (list_->state[page] != want) broken("page " + std::to_string(page) + " in " + where + " has the wrong state");
+  // Pages seen in a list or queue: parents (the list's, and the queues of a side whose pages
+  // are parents), and the small side's child pages.
+  std::vector<int> seen(static_cast<size_t>(num_parents_ + 1), 0), seen_child;
+  auto expect = [&](const PagePool& side, int64_t page, PageState want, const char* where) {
+    const bool child = side.pages_per_parent_ > 1 && want != PageState::kFree && want != PageState::kStaged;
+    std::vector<int>& seen_in = child ? seen_child : seen;
+    const int64_t end = child ? side.num_pages_ : num_parents_;
+    if (page < 1 || page > end) broken(std::string(where) + " holds a page id out of range");
+    if (seen_in[page]++) broken("page " + std::to_string(page) + " is in two places (last seen in " + where + ")");
+    if ((child ? side.child_state_[page] : list_->state[page]) != want)
+      broken("page " + std::to_string(page) + " in " + where + " has the wrong state");
   };
-  for (int64_t k = 0; k < list_->free_count; ++k) expect(page_at(k), PageState::kFree, "the free list");
-  for (int64_t page : list_->staged) expect(page, PageState::kStaged, "the staging list");
+  for (int64_t k = 0; k < list_->free_count; ++k) expect(*this, page_at(k), PageState::kFree, "the free list");
+  for (int64_t page : list_->staged) expect(*this, page, PageState::kStaged, "the staging list");
   std::vector<const PagePool*> sides{this};
   if (other_side != nullptr) {
     const PageList& other = *other_side->list_;
-    if (other_side->num_pages_ != num_pages_ || other_side->free_list() != free_list() ||
+    if (other_side->num_parents_ != num_parents_ || other_side->free_list() != free_list() ||
         other.staged != list_->staged || other.state != list_->state)
       broken("the shared mode's two sides do not hold one list");
     sides.push_back(other_side);
   }
   for (const PagePool* side : sides) {
-    for (int64_t page : side->group_index_pages_) expect(page, side->kind_.queued_by_index, "the free group");
-    for (int64_t page : side->group_page_ids_) expect(page, PageState::kQueuedByPage, "the free group");
+    if (side->pages_per_parent_ > 1) seen_child.assign(static_cast<size_t>(side->num_pages_ + 1), 0);
+    for (int64_t page : side->group_index_pages_) expect(*side, page, side->kind_.queued_by_index, "the free group");
+    for (int64_t page : side->group_page_ids_) expect(*side, page, PageState::kQueuedByPage, "the free group");
     if (!side->group_open_ && !(side->group_index_pages_.empty() && side->group_page_ids_.empty()))
       broken("pages queued without an open free group");
-  }
-  for (const PagePool* side : sides)
     if (side->held_count_ != side->count_held()) broken("the count of held pages is off");
+    if (side->pages_per_parent_ > 1) side->check_children();
+  }
+  // Every other parent is a side's: a page it holds, or (the small side's) bound to it.
   const bool alone = shares_list_ && other_side == nullptr;
-  for (int64_t page = 1; page <= num_pages_; ++page) {
+  for (int64_t page = 1; page <= num_parents_; ++page) {
     if (seen[page]) continue;
     bool held = false;
-    for (const PagePool* side : sides) held = held || side->holds(page);
+    for (const PagePool* side : sides) held = held || list_->state[page] == side->kind_.held;
     const PageState s = list_->state[page];
     if (!held && !(alone && s != PageState::kFree && s != PageState::kStaged)) broken("page " + std::to_string(page) + " is marked free but is in no list");
   }
 }
 
+void PagePool::check_children() const {
+  auto broken = [](const std::string& what) { throw std::logic_error("parent invariant broken: " + what); };
+  const int64_t k = pages_per_parent_;
+  if (child_state_[0] != PageState::kHeld ||
+      std::any_of(child_state_.begin() + 1, child_state_.begin() + k, [](PageState s) { return s != PageState::kPadding; }))
+    broken("a child page of parent 0 (padding) changed state");
+  std::vector<char> linked(static_cast<size_t>(num_parents_ + 1), 0);
+  int64_t prev = 0;
+  for (int64_t parent = partial_head_; parent != 0; prev = parent, parent = partial_next_[parent]) {
+    if (parent < 1 || parent > num_parents_ || linked[parent]++) broken("the partly used parents do not form a list");
+    if (partial_prev_[parent] != prev) broken("the partly used parents' back links are off");
+  }
+  int64_t free_children = 0;
+  for (int64_t parent = 1; parent <= num_parents_; ++parent) {
+    const std::string name = "parent " + std::to_string(parent);
+    const bool bound = list_->state[parent] == kind_.held;
+    int64_t free = 0;
+    for (int64_t c = first_child(parent, k); c < first_child(parent, k) + k; ++c) {
+      const PageState s = child_state_[c];
+      free += s == PageState::kFree;
+      if (!bound && s != PageState::kFree) broken(name + ", not bound to this side, has child page " + std::to_string(c) + " out");
+    }
+    if (!bound) {
+      if (linked[parent] || free_in_parent_[parent] != 0) broken(name + ", not bound to this side, is partly used");
+      continue;
+    }
+    if (free == k) broken(name + " is bound with every child page free (it belongs in the free list)");
+    if (free_in_parent_[parent] != free) broken(name + "'s count of free child pages is off");
+    if ((free > 0) != (linked[parent] != 0)) broken(name + (free > 0 ? " has a free child page but is not in" : " is full but in") + " the partly used list");
+    free_children += free;
+  }
+  if (free_children != free_children_) broken("the count of free child pages is off");
+}
+
 int64_t PagePool::count_held() const {
   int64_t held = static_cast<int64_t>(group_page_ids_.size());  // their state names no kind
+  const PageState* const state = states();
   for (int64_t page = 1; page <= num_pages_; ++page) {
-    const PageState s = list_->state[page];
+    const PageState s = state[page];
     held += s == kind_.held || s == kind_.claimed || s == kind_.queued_by_index;
   }
   return held;
@@ -330,7 +512,9 @@ std::vector<int64_t> PagePool::queued_by_index() const {
 bool PagePool::operator==(const PagePool& o) const {
   return size_ == o.size_ && geometry_.size == o.geometry_.size && need_sort_ == o.need_sort_ &&
          free_list() == o.free_list() && list_->staged == o.list_->staged && list_->state == o.list_->state && group_open_ == o.group_open_ &&
-         queued_by_index() == o.queued_by_index() && group_page_ids_ == o.group_page_ids_;
+         queued_by_index() == o.queued_by_index() && group_page_ids_ == o.group_page_ids_ &&
+         pages_per_parent_ == o.pages_per_parent_ && child_state_ == o.child_state_ &&
+         partly_used_parents() == o.partly_used_parents();
 }
 
 }  // namespace swa

@@ -56,9 +56,11 @@ class PageListRef {
 class PagePool final : public PoolStore {
  public:
   PagePool(int64_t size, int64_t page_size, bool need_sort, const PageKind& kind = PageKind::full());
-  // The shared mode's SWA side: full_side's pages and lists, its own kind (SWA pages),
-  // claims and free-group queues.
-  static std::shared_ptr<PagePool> swa_side_of(PagePool& full_side);
+  // The shared mode's two sides (full, SWA) over one list of parent pages, each of its own
+  // kind, with its own claims and free-group queues; the small side's pages are child pages,
+  // parents.k to a parent.
+  static std::pair<std::shared_ptr<PagePool>, std::shared_ptr<PagePool>> shared_sides(
+      int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const ParentLayout& parents);
   // A pool with the given contents (a device pool's snapshot); check_invariants() vets it.
   // shares_list: a side of the shared mode, holding pages of `kind`.
   static PagePool from_parts(int64_t size, int64_t page_size, bool need_sort, const std::vector<int64_t>& free_list,
@@ -71,6 +73,9 @@ class PagePool final : public PoolStore {
   int64_t capacity() const override { return capacity_; }
   const PageGeometry& geometry() const override { return geometry_; }
   int64_t num_pages() const override { return num_pages_; }
+  int64_t num_parents() const override { return num_parents_; }
+  int64_t pages_per_parent() const override { return pages_per_parent_; }
+  int64_t free_children() override { return free_children_; }
   bool need_sort() const override { return need_sort_; }
   int64_t free_pages() override { return list_->free_count; }
   int64_t staged_pages() override { return static_cast<int64_t>(list_->staged.size()); }
@@ -89,7 +94,7 @@ class PagePool final : public PoolStore {
   void claim_page_ids(Span pages, Call call) override;
   void confirm_claims() override {}
   void undo_claims() override;
-  void release_claims(Destination dest, ReleaseOrder order) override;
+  void release_claims(Destination dest, ReleaseOrder order, Span releases) override;
   void release_group(GroupQueue queue, Destination dest, ReleaseOrder order) override;
   void clear() override;
   void resize(int64_t size) override;
@@ -105,14 +110,17 @@ class PagePool final : public PoolStore {
     if (!slot_in_pool(index, geometry_, num_pages_)) refuse_slot(arg, index);
     return geometry_.page(index);
   }
-  PageState state(int64_t page) const { return list_->state[page]; }
-  const PageState* states() const { return list_->state.data(); }
+  // This pool's page states: the list's (its pages are parents), or the small side's own
+  // (child pages; the list's states are then its parents').
+  PageState state(int64_t page) const { return states()[page]; }
+  const PageState* states() const { return child_state_.empty() ? list_->state.data() : child_state_.data(); }
+  PageState* states() { return child_state_.empty() ? list_->state.data() : child_state_.data(); }
   const PageKind& kind() const { return kind_; }
   // Whether this pool holds page (as its kind).
-  bool holds(int64_t page) const { return list_->state[page] == kind_.held; }
-  int64_t page_at(int64_t k) const {  // k-th page of the free list
+  bool holds(int64_t page) const { return states()[page] == kind_.held; }
+  int64_t page_at(int64_t k) const {  // k-th parent of the free list
     int64_t pos = list_->head + k;
-    return list_->ring[pos >= num_pages_ ? pos - num_pages_ : pos];
+    return list_->ring[pos >= num_parents_ ? pos - num_parents_ : pos];
   }
   // The free list from its head, in hand-out order, as a loop reads it with locals.
   struct HeadPages {
@@ -124,10 +132,17 @@ class PagePool final : public PoolStore {
       return page;
     }
   };
-  // skip: pages another side takes first (the shared mode's full pages of a call).
-  HeadPages head_pages(int64_t skip = 0) const {
+  // skip: parents another side binds first (the shared mode's full side of a call); n: the
+  // pages to be read (the small side lists them first: its partly used parents' free
+  // pages, then the child pages of the parents it binds).
+  HeadPages head_pages(int64_t skip = 0, int64_t n = 0) const {
+    if (pages_per_parent_ > 1) return HeadPages{next_pages(skip, n), 0, n};
     const int64_t at = list_->head + skip;
-    return HeadPages{list_->ring.data(), at >= num_pages_ ? at - num_pages_ : at, num_pages_};
+    return HeadPages{list_->ring.data(), at >= num_parents_ ? at - num_parents_ : at, num_parents_};
+  }
+  // The parents this side binds to take `pages` pages (plan.h's parents_for).
+  int64_t parents_for(int64_t pages) const {
+    return static_cast<int64_t>(swa::parents_for(pages, pages_per_parent_, free_children_));
   }
   // The end of the run of slots in page `page` that starts at indices[i].
   int64_t run_end(Span indices, int64_t i, int64_t page) const;
@@ -137,11 +152,13 @@ class PagePool final : public PoolStore {
   // batch order; prefix_end(j) is where request j's prefix ends. Takes nothing.
   template <class PrefixEnd>
   void write_slots(const BatchLengths& batch, int64_t num_tokens, const PrefixEnd& prefix_end, int64_t* out) const;
-  void take(int64_t n);  // the first n free pages become held
+  // The next n pages become held: on the small side the free pages of its partly used
+  // parents, then the child pages of parents bound from the head of the list.
+  void take(int64_t n);
   // Marks page as claimed by this call; repeat_ok: it may already be (free() frees
   // pages, so several slots of one page are one free).
   void claim(const char* arg, int64_t page, bool repeat_ok) {
-    PageState& s = list_->state[page];
+    PageState& s = states()[page];
     if (s == kind_.held) {
       s = kind_.claimed;
       claimed_.push_back(page);
@@ -154,7 +171,7 @@ class PagePool final : public PoolStore {
   // which the loop would otherwise read again at every claim.
   class Claimer {
    public:
-    Claimer(PagePool& pool, int64_t n) : pool_(pool), state_(pool.list_->state.data()), geometry_(pool.geometry_),
+    Claimer(PagePool& pool, int64_t n) : pool_(pool), state_(pool.states()), geometry_(pool.geometry_),
                                          num_pages_(pool.num_pages_), kind_(pool.kind_) {
       pool.claimed_.reserve(pool.claimed_.size() + static_cast<size_t>(n));
     }
@@ -197,8 +214,11 @@ class PagePool final : public PoolStore {
   class Releaser {
    public:
     // n: the pages to be placed. before, after: in the free list, the shared mode's
-    // other side places that many pages before and after these, as one block.
-    Releaser(PagePool& pool, int64_t n, Destination dest, int64_t before = 0, int64_t after = 0);
+    // other side places that many pages before and after these, as one block. parents:
+    // the small side's parents whose last child page came back (their child pages were
+    // released already), not pages it holds.
+    Releaser(PagePool& pool, int64_t n, Destination dest, int64_t before = 0, int64_t after = 0,
+             bool parents = false);
     Releaser(const Releaser&) = delete;
     Releaser& operator=(const Releaser&) = delete;
     ~Releaser() {
@@ -242,7 +262,7 @@ class PagePool final : public PoolStore {
     int64_t* next_ = nullptr;
     int64_t count_ = 0;
     size_t list_size_ = 0;  // the list's size before
-    bool fits_ = true, committed_ = false;
+    bool fits_ = true, committed_ = false, parents_ = false;
   };
   std::vector<int64_t>& claimed() { return claimed_; }
   // Puts back the claims after the first `mark` of the call's claims.
@@ -250,6 +270,7 @@ class PagePool final : public PoolStore {
 
   // The snapshot's contents.
   std::vector<int64_t> free_list() const;  // in hand-out order
+  std::vector<int64_t> partly_used_parents() const;  // the small side's, the one taken from first in front
   const std::vector<int64_t>& staged_list() const { return list_->staged; }
   const std::vector<int64_t>& group_index_pages() const { return group_index_pages_; }
   const std::vector<int64_t>& group_page_ids() const { return group_page_ids_; }
@@ -269,11 +290,23 @@ class PagePool final : public PoolStore {
   void head_ranges(int64_t n, const Visit& visit) const {
     const int64_t* const ring = list_->ring.data();
     const int64_t head = list_->head;
-    const int64_t first = n < num_pages_ - head ? n : num_pages_ - head;
+    const int64_t first = n < num_parents_ - head ? n : num_parents_ - head;
     visit(ring + head, ring + head + first);
     if (first < n) visit(ring, ring + (n - first));
   }
   void reset_state();
+  // The small side's child pages: the first n it hands out, its partly used parents' free
+  // pages and then the child pages of the parents from skip on in the list (scratch
+  // storage, valid until the next call).
+  const int64_t* next_pages(int64_t skip, int64_t n) const;
+  // Takes the first n of next_pages(0, n); returns the parents it binds from the list.
+  int64_t take_children(int64_t n);
+  // Child pages back to their parents (their states free); the parents whose last child
+  // came back, in that order, into `whole`.
+  void return_children(const std::vector<int64_t>& pages, std::vector<int64_t>& whole);
+  void link_partial(int64_t parent);  // to the front of the partly used parents
+  void unlink_partial(int64_t parent);
+  void check_children() const;  // check_invariants of the small side's parents
   // Pages to dest, in the order given or sorted.
   void place_released(std::vector<int64_t>& pages, Destination dest, ReleaseOrder order);
   std::vector<int64_t> queued_by_index() const;
@@ -281,6 +314,7 @@ class PagePool final : public PoolStore {
   int64_t count_held() const;
 
   int64_t size_, num_pages_;
+  int64_t num_parents_;  // the list's entries: num_pages_ but on the small side
   int64_t capacity_;
   PageGeometry geometry_;
   bool need_sort_;
@@ -292,21 +326,37 @@ class PagePool final : public PoolStore {
   std::vector<int64_t> group_index_pages_;  // pages of free() calls held by the group
   std::vector<int64_t> group_page_ids_;     // pages of free_page_ids calls held by the group
   std::vector<int64_t> claimed_;            // the current call's claims, in first-seen order
+  // The shared mode's small side (pages_per_parent_ = parent_k; 1 elsewhere, where the
+  // rest stays empty): its child pages' states; each parent's free child pages while bound
+  // to it; its partly used parents (bound, with a free child) as a list linked through
+  // partial_next_ / partial_prev_ from partial_head_ (0 ends it: parent 0 is never bound);
+  // their free child pages in all.
+  int64_t pages_per_parent_ = 1;
+  std::vector<PageState> child_state_;
+  std::vector<int64_t> free_in_parent_, partial_next_, partial_prev_;
+  int64_t partial_head_ = 0, free_children_ = 0;
+  mutable std::vector<int64_t> next_pages_;  // next_pages()' scratch
 };
 
 template <class PrefixEnd>
 void PagePool::write_slots(const BatchLengths& batch, int64_t num_tokens, const PrefixEnd& prefix_end,
                            int64_t* out) const {
   if (token_mode()) {  // extend_slot at page size 1: every token takes the next free page, in order
+    if (pages_per_parent_ > 1) {
+      std::copy_n(next_pages(0, num_tokens), num_tokens, out);
+      return;
+    }
     head_ranges(num_tokens, [&out](const int64_t* first, const int64_t* last) { out = std::copy(first, last, out); });
     return;
   }
   // Locals, and out marked as aliasing nothing: else every store into it makes the
   // loop read the pool's members and the lengths again.
   int64_t* __restrict dst = out;
-  const int64_t* const ring = list_->ring.data();
-  const int64_t num_pages = num_pages_;
-  int64_t first = list_->head;  // the ring position of the request's first new page
+  // The small side reads its pages from next_pages(), which never wraps.
+  const HeadPages pages = head_pages(0, pages_per_parent_ > 1 ? geometry_.page(num_tokens) + batch.size() : 0);
+  const int64_t* const ring = pages.ring;
+  const int64_t num_pages = pages.num_pages;
+  int64_t first = pages.at;  // the ring position of the request's first new page
   for (int64_t j = 0; j < batch.size(); ++j) {
     const int64_t prefix = batch.prefix(j), seq = batch.seq_lens[j];
     const int64_t last = prefix_end(j);

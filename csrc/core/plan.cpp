@@ -34,11 +34,19 @@ AllocPlan plan_batch(AllocCall call, const BatchLengths& batch, const LastLoc& l
   return AllocPlan{call, bs, tokens, pages, pages, tokens};
 }
 
-// The shared mode's one list has `size` slots, which both kinds read as their size.
-void check_shared_list_sizes(int64_t size, int64_t size_swa, bool shares_list) {
-  if (shares_list && size_swa != size)
-    fail("size_swa", "must equal size (", size, ") in the shared mode, whose one list serves both kinds, got ",
-         size_swa);
+// The shared mode's small side has parent_k times the other side's slots (its pages are
+// parent_k to a parent): equal sizes at parent_k 1.
+void check_shared_list_sizes(int64_t size, int64_t size_swa, bool shares_list, const ParentLayout& parents) {
+  if (!shares_list) return;
+  const bool small_full = parents.small_side == Side::kFull;
+  const int64_t large = small_full ? size_swa : size, small = small_full ? size : size_swa;
+  if (static_cast<Wide>(large) * parents.k == small) return;
+  const char* large_name = small_full ? "size_swa" : "size";
+  if (parents.k == 1)
+    fail(small_full ? "size" : "size_swa", "must equal ", large_name, " (", large,
+         ") in the shared mode, whose one list serves both kinds, got ", small);
+  fail(small_full ? "size" : "size_swa", "must be parent_k (", parents.k, ") times ", large_name, " (", large,
+       ") in the shared mode: a parent page holds parent_k of its pages, got ", small);
 }
 
 }  // namespace
@@ -49,10 +57,19 @@ void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size) {
   if (size > kMaxLength) fail(size_arg, "is above ", kMaxLength, " tokens, got ", size);
 }
 
-void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list) {
+ParentLayout check_parent_layout(int64_t parent_k, const std::string& small_side, bool shares_list) {
+  if (parent_k < 1 || parent_k > kMaxParentK) fail("parent_k", "must be in [1, ", kMaxParentK, "], got ", parent_k);
+  if (parent_k > 1 && !shares_list) fail("parent_k", "above 1 needs the shared mode (shared=True), got ", parent_k);
+  if (small_side != "full" && small_side != "swa")
+    fail("small_side", "must be 'full' or 'swa' (the side whose KV entry is smaller), got '", small_side, "'");
+  return ParentLayout{parent_k, small_side == "full" ? Side::kFull : Side::kSwa};
+}
+
+void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list,
+                        const ParentLayout& parents) {
   check_pool_shape("size_swa", size_swa, page_size);
   check_pool_shape("size", size, page_size);
-  check_shared_list_sizes(size, size_swa, shares_list);
+  check_shared_list_sizes(size, size_swa, shares_list, parents);
 }
 
 void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity) {
@@ -68,10 +85,10 @@ void check_pool_alone(const char* call, bool shares_list) {
 }
 
 void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
-                         int64_t swa_capacity, bool shares_list) {
+                         int64_t swa_capacity, bool shares_list, const ParentLayout& parents) {
   check_resize("size", size, page_size, full_capacity);
   check_resize("size_swa", size_swa, page_size, swa_capacity);
-  check_shared_list_sizes(size, size_swa, shares_list);
+  check_shared_list_sizes(size, size_swa, shares_list, parents);
 }
 
 void check_state_shape(const char* what, bool same_shape) {
@@ -154,7 +171,7 @@ void check_mapping_pairs(int64_t num_full, int64_t num_swa) {
 
 void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
                           int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
-                          Destination dest, int64_t* new_evicted, EvictionPlan& plan) {
+                          Destination dest, bool child_pages, int64_t* new_evicted, EvictionPlan& plan) {
   const int64_t bs = rows.size;
   check_batch_lengths({{"rows", bs}, {"pre_lens", pre_lens.size}, {"evicted_seqlens", evicted_seqlens.size}});
   check_at_least_one("window", window);
@@ -176,8 +193,10 @@ void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre
     plan.page_begin.push_back(plan.page_begin.back() + page.page(new_evicted[j] - evicted));
   }
   const int64_t total = plan.total_pages();
+  plan.release_each = child_pages;
+  const bool reversed = dest == Destination::kPrepend && !child_pages;  // one block, the last request's first
   for (int64_t j = 0; j < plan.num_due(); ++j)
-    plan.release_offset.push_back(dest == Destination::kPrepend ? total - plan.page_begin[j + 1] : plan.page_begin[j]);
+    plan.release_offset.push_back(reversed ? total - plan.page_begin[j + 1] : plan.page_begin[j]);
 }
 
 void check_evicted_len(int64_t evicted, int64_t pre_len, const PageGeometry& page) {

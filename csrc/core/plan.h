@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "errors.h"
@@ -41,15 +42,30 @@ struct LastLoc {
 
 // A pool of `size` slots in pages of page_size slots (constructor and resize rule).
 void check_pool_shape(const char* size_arg, int64_t size, int64_t page_size);
+
+// The shared mode's parent pages (rules.h's parent_k): parent_k pages of small_side to a
+// parent, one page of the other side. parent_k 1 is one page of either kind to a parent.
+enum class Side { kFull, kSwa };
+struct ParentLayout {
+  int64_t k = 1;
+  Side small_side = Side::kSwa;
+  // Of a side: its pages to a parent.
+  int64_t pages_per_parent(Side side) const { return side == small_side ? k : 1; }
+};
+constexpr int64_t kMaxParentK = 64;  // far above any served model's (MiMo-V2-Flash: 10)
+// parent_k in [1, kMaxParentK], and above 1 only in the shared mode; small_side "full" or "swa".
+ParentLayout check_parent_layout(int64_t parent_k, const std::string& small_side, bool shares_list);
 // The hybrid allocator's two pools, checked before either is built; shares_list: the
-// shared mode, whose one list of `size` slots serves both kinds (size_swa must equal size).
-void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list);
+// shared mode, whose one list of parents serves both kinds (the small side's size must be
+// parent_k times the other's: size_swa equal to size at parent_k 1).
+void check_hybrid_shape(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list,
+                        const ParentLayout& parents);
 // The rule of resize() for every pool: at least one page, and no more slots than the
 // pool was built with (its index arrays, device memory and the mapping table were sized then).
 void check_resize(const char* arg, int64_t size, int64_t page_size, int64_t capacity);
 // resize() of the hybrid allocator: both pools checked before either changes.
 void check_hybrid_resize(int64_t size, int64_t size_swa, int64_t page_size, int64_t full_capacity,
-                         int64_t swa_capacity, bool shares_list);
+                         int64_t swa_capacity, bool shares_list, const ParentLayout& parents);
 // restore_state of a snapshot: it must come from an allocator (pool) of this shape.
 void check_state_shape(const char* what, bool same_shape);
 // clear, resize and restore_state of one pool: not of a side of the shared mode (its
@@ -90,14 +106,37 @@ AllocPlan plan_decode(const BatchLengths& batch, const LastLoc& last_loc, const 
 void check_num_new_pages(int64_t num_new_pages, const AllocPlan& plan);
 
 enum class PoolRole { kFull, kSwa };
+using Wide = __int128;  // counts up to 2**62 and their sums and products, which int64 cannot hold
+// What one pool offers: `parents` entries of its list (free and staged ones, or free ones
+// alone where a merge is decided; in the default mode and on the larger side a parent is a
+// page), its pages to a parent (parent_k on the shared mode's small side, else 1), the free
+// pages of its partly used parents (the small side's), all the list's parents, its slots.
+struct PoolRoom {
+  int64_t parents, pages_per_parent, free_children, num_parents, size;
+};
+// The pages a side can take: its parents' pages and its partly used parents' free ones.
+inline int64_t pages_of_parents(int64_t parents, int64_t pages_per_parent, int64_t free_children) {
+  return parents * pages_per_parent + free_children;
+}
+inline int64_t room_pages(const PoolRoom& pool) {
+  return pages_of_parents(pool.parents, pool.pages_per_parent, pool.free_children);
+}
+// The parents a side binds to take `pages` pages: its free children first, then whole
+// parents (the last one partly used). A negative count (new_pages_available takes any, as
+// SGLang's does) counts as itself.
+inline Wide parents_for(Wide pages, int64_t pages_per_parent, Wide free_children) {
+  if (pages < 0) return pages;
+  const Wide fresh = pages - free_children;
+  return fresh <= 0 ? 0 : (fresh + pages_per_parent - 1) / pages_per_parent;
+}
 // Whether a demand of both kinds fits (pages, or tokens): each within its pool's room, or
-// where the two sides share one list (shares_list: the shared mode, whose room both sides
-// read) their sum within the one list's. Wide: counts up to 2**62 and their sums, which
-// int64 cannot hold.
-using Wide = __int128;
-inline bool demand_fits(Wide full, Wide swa, Wide full_room, Wide swa_room, bool shares_list) {
-  if (shares_list) return full + swa <= full_room;
-  return full <= full_room && swa <= swa_room;
+// where the two sides share one list (shares_list: the shared mode) the parents both bind
+// within the list's.
+inline bool demand_fits(Wide full, Wide swa, const PoolRoom& f, const PoolRoom& s, bool shares_list) {
+  if (shares_list)
+    return parents_for(full, f.pages_per_parent, f.free_children) + parents_for(swa, s.pages_per_parent, s.free_children) <=
+           f.parents;
+  return full <= f.parents && swa <= s.parents;
 }
 // SGLang's can_reserve: full_tokens and swa_tokens of KV to come, beside what the radix
 // tree could give back of each side (the evictable tokens), or against the empty pool;
@@ -108,24 +147,36 @@ struct Reservation {
 };
 // Each count in [0, 2**62] (the longest length a pool holds), else ArgumentError naming it.
 void check_reservation(const Reservation& r);
-// What one pool offers a reservation: its available (free and staged) pages, all its
-// pages, its slots.
-struct PoolRoom {
-  int64_t available_pages, num_pages, size;
-};
 // Whether a checked reservation fits. Each side takes whole pages, as an allocation does
-// (pages_for); each side's evictable tokens give back its whole pages. The empty pool
-// offers all its pages and has nothing to evict; the slack is a token, not a page.
+// (pages_for); each side's evictable tokens give back its whole pages: to its own demand
+// first (a small side's pages join its free children), the rest as whole parents (at
+// parent_k 1 a page is one; on the small side, every parent_k of them count as one, a
+// bound: the freed pages may not fill a parent). The empty pool offers all its parents and
+// has nothing to evict; the slack is a token, not a page.
 inline bool reservation_fits(const Reservation& r, const PoolRoom& full, const PoolRoom& swa, bool shares_list,
                              const PageGeometry& page) {
-  if (r.token_slack && !demand_fits(r.full_tokens, r.swa_tokens, full.size - 1, swa.size - 1, shares_list))
-    return false;
   const int64_t full_pages = page.pages_for(r.full_tokens), swa_pages = page.pages_for(r.swa_tokens);
-  if (r.empty_pool) return demand_fits(full_pages, swa_pages, full.num_pages, swa.num_pages, shares_list);
-  const int64_t full_back = page.page(r.full_evictable_tokens), swa_back = page.page(r.swa_evictable_tokens);
-  // The one list takes back the pages of both kinds (its available count is both sides').
-  const Wide full_room = Wide{full.available_pages} + full_back + (shares_list ? swa_back : 0);
-  return demand_fits(full_pages, swa_pages, full_room, Wide{swa.available_pages} + swa_back, shares_list);
+  if (!shares_list) {
+    if (r.token_slack && !(r.full_tokens < full.size && r.swa_tokens < swa.size)) return false;
+    if (r.empty_pool) return full_pages <= full.num_parents && swa_pages <= swa.num_parents;
+    return Wide{full_pages} <= Wide{full.parents} + page.page(r.full_evictable_tokens) &&
+           Wide{swa_pages} <= Wide{swa.parents} + page.page(r.swa_evictable_tokens);
+  }
+  // The shared mode: tokens in the small side's slots (a large token is k small ones).
+  if (r.token_slack && !(Wide{r.full_tokens} * swa.pages_per_parent + Wide{r.swa_tokens} * full.pages_per_parent <
+                         Wide{full.size} * swa.pages_per_parent))
+    return false;
+  if (r.empty_pool)
+    return parents_for(full_pages, full.pages_per_parent, 0) + parents_for(swa_pages, swa.pages_per_parent, 0) <=
+           full.num_parents;
+  Wide needed = 0, room = full.parents;
+  for (const auto& [pages, tokens, pool] : {std::tuple{full_pages, r.full_evictable_tokens, full},
+                                            std::tuple{swa_pages, r.swa_evictable_tokens, swa}}) {
+    const Wide back = page.page(tokens), own = Wide{pages} - pool.free_children;  // beyond its free children
+    needed += parents_for(own - back, pool.pages_per_parent, 0);
+    if (back > own) room += (back - (own > 0 ? own : 0)) / pool.pages_per_parent;
+  }
+  return needed <= room;
 }
 // need_sort's merge trigger of the call on one pool, given its free (not staged) pages.
 // Inline, with the refusals: they run on every allocation.
@@ -145,16 +196,20 @@ inline bool merge_due(const AllocPlan& plan, PoolRole pool, int64_t free_pages, 
   return false;
 }
 
-inline bool hybrid_refused(const AllocPlan& plan, int64_t full_available_pages, int64_t swa_available_pages,
-                           bool shares_list) {
-  return !demand_fits(plan.full_pages, plan.swa_pages, full_available_pages, swa_available_pages, shares_list);
+inline bool hybrid_refused(const AllocPlan& plan, const PoolRoom& full, const PoolRoom& swa, bool shares_list) {
+  return !demand_fits(plan.full_pages, plan.swa_pages, full, swa, shares_list);
 }
-// need_sort's merge trigger of a list both sides share: each side's trigger, with the
-// free pages the other side takes first set aside, so that a call never takes more
-// pages than the list holds after it.
-inline bool shared_list_merge_due(const AllocPlan& plan, int64_t free_pages, const PageGeometry& page) {
-  return merge_due(plan, PoolRole::kFull, free_pages - plan.swa_pages, page) ||
-         merge_due(plan, PoolRole::kSwa, free_pages - plan.full_pages, page);
+// need_sort's merge trigger of a list both sides share, on its free parents: each side's
+// trigger against the pages it can take once the parents the other side binds first are
+// set aside, so that a call never takes more parents than the list holds after it.
+inline bool shared_list_merge_due(const AllocPlan& plan, const PoolRoom& full, const PoolRoom& swa,
+                                  const PageGeometry& page) {
+  const auto left = [](const PoolRoom& pool, const PoolRoom& other, int64_t other_pages) {
+    const Wide parents = pool.parents - parents_for(other_pages, other.pages_per_parent, other.free_children);
+    return static_cast<int64_t>(parents * pool.pages_per_parent + pool.free_children);
+  };
+  return merge_due(plan, PoolRole::kFull, left(full, swa, plan.swa_pages), page) ||
+         merge_due(plan, PoolRole::kSwa, left(swa, full, plan.full_pages), page);
 }
 // A hybrid allocation is refused, before anything changes (merges included), unless both
 // pools hold its pages (hybrid_refused); a lone pool merges first and refuses on its free
@@ -212,18 +267,23 @@ inline bool swa_continues_prefix(AllocCall call) { return call != AllocCall::kEx
 // (page_begin, one more entry than requests), and where in the released list each
 // request's pages go. It releases exactly as one free_swa_segment per due request in
 // batch order would: successive prepends put the last request's pages first; staging,
-// appends and a group's queue keep batch order.
+// appends and a group's queue keep batch order. release_each: the SWA side's pages are
+// child pages (parent_k > 1), whose parents come back only as their last child does, so
+// that no one block can order them: each request's pages (page_begin[j] ..
+// page_begin[j + 1] of the claims, in batch order) are then a release of their own.
 struct EvictionPlan {
   std::vector<int64_t> row, evicted, page_begin{0}, release_offset;
+  bool release_each = false;
   int64_t num_due() const { return static_cast<int64_t>(row.size()); }
   int64_t total_pages() const { return page_begin.back(); }
 };
 // Checks the host arguments and writes each request's new evicted length (equal to the
 // old one when nothing is due) and the plan (its lists reused: this runs every decode
-// step); dest: where the SWA pool releases the pages.
+// step); dest: where the SWA pool releases the pages; child_pages: the SWA pool's pages
+// are child pages (its pages_per_parent above 1).
 void plan_window_eviction(int64_t num_rows, int64_t row_len, Span rows, Span pre_lens, Span evicted_seqlens,
                           int64_t window, int64_t interval, bool prefix_sharing, const PageGeometry& page,
-                          Destination dest, int64_t* new_evicted, EvictionPlan& plan);
+                          Destination dest, bool child_pages, int64_t* new_evicted, EvictionPlan& plan);
 // A page size, window or interval of the window rules (rules.h): at least 1; returns it.
 int64_t check_at_least_one(const char* arg, int64_t value);
 // One request's lengths for evicted_after_step: pre_len >= 0, evicted page-aligned

@@ -26,6 +26,8 @@ enum class PageState : uint8_t {
   kHeldSwa,
   kClaimedSwa,
   kQueuedByIndexSwa,
+  // A child page of parent 0 past the first (the shared mode at parent_k > 1): padding, never handed out.
+  kPadding,
 };
 
 // The states a pool's pages take while out of the free list: a pool of the default mode
@@ -38,6 +40,20 @@ struct PageKind {
     return {PageState::kHeldSwa, PageState::kClaimedSwa, PageState::kQueuedByIndexSwa};
   }
 };
+
+// The shared mode's parent pages (SPEC.md section 8): a parent holds one page of the side
+// whose KV entry (bytes a token) is larger, or parent_k pages of the other side, the larger
+// entry padded to parent_k smaller ones. The one rule for parent_k.
+SWA_HD int64_t parent_k(int64_t larger_entry_bytes, int64_t smaller_entry_bytes) {
+  return (larger_entry_bytes + smaller_entry_bytes - 1) / smaller_entry_bytes;
+}
+// The index layout: slots stay physical, so the smaller side's child page c lies in parent
+// c / parent_k, and parent q holds child pages q * parent_k .. q * parent_k + parent_k - 1
+// (the larger side's page q). Parent 0, all its child pages, is padding.
+SWA_HD int64_t parent_of(int64_t child_page, int64_t k) { return child_page / k; }
+SWA_HD int64_t first_child(int64_t parent, int64_t k) { return parent * k; }
+// The child pages of num_parents parents: ids 1 .. child_page_count, those of parent 0 padding.
+SWA_HD int64_t child_page_count(int64_t num_parents, int64_t k) { return (num_parents + 1) * k - 1; }
 
 // Where released pages go.
 enum class Destination : int32_t {

@@ -35,10 +35,25 @@ class PoolStore {
   virtual bool need_sort() const = 0;
   bool token_mode() const { return geometry().size == 1; }
   // Host counts of the free list and the staging list (a device store may first wait
-  // for the read-back of a count only the device knew).
+  // for the read-back of a count only the device knew): pages, or in the shared mode the
+  // one list's parent pages.
   virtual int64_t free_pages() = 0;
   virtual int64_t staged_pages() = 0;
-  int64_t available_pages() { return free_pages() + staged_pages(); }
+  // The shared mode's small side: its pages to a parent (parent_k; 1 on every other pool)
+  // and the free pages of its partly used parents (0 on every other pool).
+  virtual int64_t pages_per_parent() const = 0;
+  virtual int64_t free_children() = 0;
+  // What this pool can take (plan.h's PoolRoom): from its free and staged parents, or with
+  // staged false (a merge decision) its free ones.
+  PoolRoom room(bool staged = true) {
+    return PoolRoom{free_pages() + (staged ? staged_pages() : 0), pages_per_parent(), free_children(),
+                    num_parents(), size()};
+  }
+  // The pages an allocation can take from it: available (free and staged) or free alone.
+  int64_t available_pages() { return room_pages(room()); }
+  int64_t free_side_pages() { return room_pages(room(false)); }
+  // Its list's parents (its pages but on the shared mode's small side).
+  virtual int64_t num_parents() const = 0;
   // The pages this pool holds: out of the free and the staging list, those its open free
   // group queues included (they come back when the group ends). In the shared mode each
   // side counts its own kind; both sides' and the available pages make the one list.
@@ -68,8 +83,10 @@ class PoolStore {
   virtual void confirm_claims() = 0;
   // The claimed pages held again, as before the call.
   virtual void undo_claims() = 0;
-  // The claimed pages to dest, in claim order or page order.
-  virtual void release_claims(Destination dest, ReleaseOrder order) = 0;
+  // The claimed pages to dest, in claim order or page order; releases: empty (one
+  // release), or the claim offsets that bound successive releases (one more entry than
+  // releases), each placed as a call of its own would place it.
+  virtual void release_claims(Destination dest, ReleaseOrder order, Span releases) = 0;
   // An open free group's queue to dest (the group is already closed).
   virtual void release_group(GroupQueue queue, Destination dest, ReleaseOrder order) = 0;
 
@@ -106,6 +123,8 @@ class HybridStore {
   // shared=True; SPEC.md section 8): fixed when the store is built, and read here by every
   // layer that serves the two modes differently.
   bool shares_list() const { return shares_list_; }
+  // The shared mode's parent pages (which side is small, parent_k); parent_k 1 otherwise.
+  const ParentLayout& parents() const { return parents_; }
   virtual PoolStore& full() = 0;
   virtual PoolStore& swa() = 0;
   // The pools as a lone pool allocator sees them (SGLang's sub-allocators).
@@ -161,10 +180,11 @@ class HybridStore {
   virtual void restore(const AllocatorState& state) = 0;
 
  protected:
-  explicit HybridStore(bool shares_list) : shares_list_(shares_list) {}
+  HybridStore(bool shares_list, const ParentLayout& parents) : shares_list_(shares_list), parents_(parents) {}
 
  private:
   const bool shares_list_;
+  const ParentLayout parents_;
 };
 
 }  // namespace swa

@@ -266,10 +266,14 @@ namespace swa_bindings {
 
 struct HybridHandle {
   HybridHandle(int64_t size, int64_t size_swa, int64_t page_size, bool need_sort, const c10::Device& dev,
-               const std::string& kernels, bool shares_list)
+               const std::string& kernels, bool shares_list, int64_t parent_k, const std::string& small_side)
       : device(dev), busy(std::make_shared<std::atomic<bool>>(false)), debug(debug_checks_enabled()) {
-    const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size, shares_list);
+    const swa::ParentLayout parents = swa::check_parent_layout(parent_k, small_side, shares_list);
+    const int64_t mapping_len = swa::HybridAllocator::mapping_size(size, size_swa, page_size, shares_list, parents);
     std::shared_ptr<swa::Executor> executor = device_executor(device, kernels);
+    if (executor && parents.k > 1)
+      swa::fail("parent_k", "above 1 is served by the CPU store only so far (device='cpu', kernels='auto' or 'cpu'); got ",
+                parent_k, " with kernels='", executor->kernels(), "'");
     const auto demands = {pool_demand("size", size, page_size, true),
                           pool_demand("size_swa", size_swa, page_size, false)};
     build_pools(device, demands, [&] {
@@ -281,7 +285,7 @@ struct HybridHandle {
         store = std::make_unique<swa::DeviceHybridStore>(executor, size, size_swa, page_size, need_sort, shares_list, debug,
                                                          table, mapping_len);
       else
-        store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, shares_list, table,
+        store = std::make_unique<swa::HostHybridStore>(size, size_swa, page_size, need_sort, shares_list, parents, table,
                                                        mapping_len);
       alloc = std::make_unique<swa::HybridAllocator>(std::move(store));
     });
@@ -474,6 +478,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<swa::ConcurrentUseError>(m, "ConcurrentUseError", PyExc_RuntimeError);
   py::register_exception<swa::DeferredError>(m, "DeferredError", PyExc_RuntimeError);
   m.def("built_with_cuda", &built_with_cuda, swa_docs::built_with_cuda);
+  m.def("parent_k", [](int64_t larger_entry_bytes, int64_t smaller_entry_bytes) {
+          swa::check_at_least_one("smaller_entry_bytes", smaller_entry_bytes);
+          if (larger_entry_bytes < smaller_entry_bytes)
+            swa::fail("larger_entry_bytes", "must be at least smaller_entry_bytes (", smaller_entry_bytes, "), got ",
+                      larger_entry_bytes);
+          return swa::parent_k(larger_entry_bytes, smaller_entry_bytes);
+        }, "The shared mode's parent_k: a larger KV entry (bytes a token) padded to this many smaller ones.",
+        py::arg("larger_entry_bytes"), py::arg("smaller_entry_bytes"));
   m.def("swa_tail_len", [](int64_t seq_len, int64_t window, int64_t page_size, bool radix_cache) {
           const swa::PageGeometry page(swa::check_at_least_one("page_size", page_size));
           swa::check_at_least_one("window", window);
@@ -570,12 +582,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<HybridHandle>(m, "HybridAllocator", swa_docs::hybrid_class)
       .def(py::init([](int64_t size, int64_t size_swa, int64_t page_size, const py::object& device, bool need_sort,
-                       const std::string& kernels, bool shared) {
+                       const std::string& kernels, bool shared, int64_t parent_k, const std::string& small_side) {
              return std::make_unique<HybridHandle>(size, size_swa, page_size, need_sort, device_arg(device), kernels,
-                                                   shared);
+                                                   shared, parent_k, small_side);
            }),
            swa_docs::hybrid_init, py::arg("size"), py::arg("size_swa"), py::arg("page_size"), py::arg("device"), py::arg("need_sort"),
-           py::arg("kernels") = "auto", py::arg("shared") = false)
+           py::arg("kernels") = "auto", py::arg("shared") = false, py::arg("parent_k") = 1, py::arg("small_side") = "swa")
       .def_property_readonly("page_size", [](const HybridHandle& h) { return h.alloc->page_size(); }, swa_docs::hybrid_page_size)
       .def_property_readonly("size", [](const HybridHandle& h) { return std::min(h.alloc->full().size(), h.alloc->swa().size()); },
                              swa_docs::hybrid_size)
@@ -583,6 +595,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("size_swa", [](const HybridHandle& h) { return h.alloc->swa().size(); }, swa_docs::hybrid_size_swa)
       .def_property_readonly("need_sort", [](const HybridHandle& h) { return h.alloc->full().need_sort(); }, swa_docs::hybrid_need_sort)
       .def_property_readonly("shared", [](const HybridHandle& h) { return h.alloc->store().shares_list(); }, swa_docs::hybrid_shared)
+      .def_property_readonly("parent_k", [](const HybridHandle& h) { return h.alloc->store().parents().k; },
+                             "The shared mode's parent pages: the small side's pages to a parent (1: one page of either kind).")
+      .def_property_readonly("small_side", [](const HybridHandle& h) {
+             return h.alloc->store().parents().small_side == swa::Side::kFull ? "full" : "swa";
+           }, "The side whose pages are parent_k to a parent (the one with the smaller KV entry): 'full' or 'swa'.")
       .def_property_readonly("device", [](const HybridHandle& h) { return h.device; }, swa_docs::hybrid_device)
       .def_property_readonly("kernels", [](const HybridHandle& h) { return h.alloc->store().kernels(); }, swa_docs::hybrid_kernels)
       .def_property_readonly("full_to_swa_index_mapping", [](const HybridHandle& h) { return h.mapping; }, swa_docs::hybrid_full_to_swa_index_mapping)

@@ -27,7 +27,7 @@ struct Pair {
        bool shares_list = false)
       : cpu_mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, shares_list))),
         dev_mapping(cpu_mapping.size()),
-        cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shares_list, cpu_mapping.data(), len())),
+        cpu(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shares_list, ParentLayout{}, cpu_mapping.data(), len())),
         exec(std::make_shared<HostExecutor>(0, threads)),
         dev_store(new DeviceHybridStore(exec, size, size_swa, ps, need_sort, shares_list, debug, dev_mapping.data(), len())),
         dev(std::unique_ptr<HybridStore>(dev_store)) {}

@@ -17,7 +17,7 @@ struct Fixture {
   // shares_list: the shared mode (SPEC.md section 8), one list for both kinds.
   Fixture(int64_t size, int64_t size_swa, int64_t ps, bool need_sort = false, bool shares_list = false)
       : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, shares_list))),
-        alloc(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shares_list, mapping.data(),
+        alloc(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shares_list, ParentLayout{}, mapping.data(),
                                                 static_cast<int64_t>(mapping.size()))) {}
 
   V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {

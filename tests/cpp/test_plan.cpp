@@ -53,27 +53,55 @@ TEST(Plan, MergeTriggersDifferByCall) {
   EXPECT_TRUE(merge_due(no_tail, PoolRole::kFull, 0, page));
 }
 
+// A pool's room of `parents` available parents (pages where pages_per_parent is 1).
+PoolRoom room(int64_t parents, int64_t pages_per_parent = 1, int64_t free_children = 0) {
+  return PoolRoom{parents, pages_per_parent, free_children, 8, 128};
+}
+
 TEST(Plan, HybridRefusalNeedsBothPools) {
   const AllocPlan plan = plan_alloc(32, PageGeometry(16));
-  EXPECT_FALSE(hybrid_refused(plan, 2, 2, false));
-  EXPECT_TRUE(hybrid_refused(plan, 2, 1, false));
-  EXPECT_TRUE(hybrid_refused(plan, 1, 2, false));
+  EXPECT_FALSE(hybrid_refused(plan, room(2), room(2), false));
+  EXPECT_TRUE(hybrid_refused(plan, room(2), room(1), false));
+  EXPECT_TRUE(hybrid_refused(plan, room(1), room(2), false));
   EXPECT_EQ(hybrid_available_size(64, 48), 48);
 }
 
 TEST(Plan, SharedRefusalNeedsTheSumInTheOneList) {
   const AllocPlan plan = plan_alloc(32, PageGeometry(16));  // 2 full pages and 2 SWA pages
-  EXPECT_FALSE(hybrid_refused(plan, 4, 4, true));
-  EXPECT_TRUE(hybrid_refused(plan, 3, 3, true));
-  EXPECT_TRUE(demand_fits(1, 2, 3, 3, true));
-  EXPECT_FALSE(demand_fits(2, 2, 3, 3, true));
-  EXPECT_FALSE(demand_fits(INT64_MAX, INT64_MAX, 3, 3, true));  // no overflow into a yes
-  EXPECT_THROW(check_hybrid_shape(64, 32, 16, true), ArgumentError);
+  EXPECT_FALSE(hybrid_refused(plan, room(4), room(4), true));
+  EXPECT_TRUE(hybrid_refused(plan, room(3), room(3), true));
+  EXPECT_TRUE(demand_fits(1, 2, room(3), room(3), true));
+  EXPECT_FALSE(demand_fits(2, 2, room(3), room(3), true));
+  EXPECT_FALSE(demand_fits(INT64_MAX, INT64_MAX, room(3), room(3), true));  // no overflow into a yes
+  EXPECT_THROW(check_hybrid_shape(64, 32, 16, true, ParentLayout{}), ArgumentError);
+}
+
+TEST(Plan, ParentPagesPriceTheSmallSideInParents) {
+  // 3 parents; the SWA side is small (k = 3) with 2 free child pages in partly used parents.
+  const PoolRoom full = room(3), swa = room(3, 3, 2);
+  EXPECT_TRUE(demand_fits(3, 2, full, swa, true));    // its free children serve the SWA pages
+  EXPECT_FALSE(demand_fits(3, 3, full, swa, true));   // a third needs a parent
+  EXPECT_TRUE(demand_fits(2, 5, full, swa, true));    // 2 + 1 parents
+  EXPECT_FALSE(demand_fits(2, 6, full, swa, true));   // 2 + 2
+  EXPECT_EQ(room_pages(swa), 11);
+  EXPECT_EQ(room_pages(full), 3);
+  EXPECT_EQ(parent_k(200 * 1024, 20 * 1024), 10);  // MiMo-V2-Flash
+  EXPECT_EQ(parent_k(144, 48), 3);                   // Llama 4 Scout
+  EXPECT_EQ(parent_k(37, 36), 2);                    // padded up
+  EXPECT_EQ(parent_k(36, 36), 1);
+  EXPECT_EQ(child_page_count(4, 3), 14);
+  // The small side's size is k times the other's.
+  EXPECT_NO_THROW(check_hybrid_shape(64, 192, 16, true, ParentLayout{3, Side::kSwa}));
+  EXPECT_THROW(check_hybrid_shape(64, 64, 16, true, ParentLayout{3, Side::kSwa}), ArgumentError);
+  EXPECT_NO_THROW(check_hybrid_shape(192, 64, 16, true, ParentLayout{3, Side::kFull}));
+  EXPECT_THROW(check_parent_layout(0, "swa", true), ArgumentError);
+  EXPECT_THROW(check_parent_layout(2, "swa", false), ArgumentError);
+  EXPECT_THROW(check_parent_layout(2, "both", true), ArgumentError);
 }
 
 TEST(Plan, ReservationPricesWholePagesAndTheEvictablePagesOfEachSide) {
   const PageGeometry page(16);
-  const PoolRoom full{4, 8, 128}, swa{2, 8, 128};  // available pages, pages, slots
+  const PoolRoom full = room(4), swa = room(2);  // available pages; 8 pages, 128 slots each
   const auto fits = [&](Reservation r, bool shares_list) { return reservation_fits(r, full, swa, shares_list, page); };
   // Two pools: 17 tokens take 2 pages; the SWA side's 2 free pages and 1 evictable page.
   EXPECT_TRUE(fits({64, 32, 0, 0, false, false}, false));
@@ -102,8 +130,8 @@ TEST(Plan, ReservationPricesWholePagesAndTheEvictablePagesOfEachSide) {
 TEST(Plan, SharedMergeSetsTheOtherSidesPagesAside) {
   const PageGeometry page(16);
   const AllocPlan plan = plan_alloc(32, page);  // 2 + 2 pages
-  EXPECT_FALSE(shared_list_merge_due(plan, 4, page));
-  EXPECT_TRUE(shared_list_merge_due(plan, 3, page));  // either side alone fits 3, both do not
+  EXPECT_FALSE(shared_list_merge_due(plan, room(4), room(4), page));
+  EXPECT_TRUE(shared_list_merge_due(plan, room(3), room(3), page));  // either side alone fits 3, both do not
   EXPECT_FALSE(merge_due(plan, PoolRole::kFull, 3, page));
 }
 
@@ -118,7 +146,7 @@ TEST(Plan, ReleaseDestination) {
 
 TEST(Plan, ShapeAndGroupChecksNameTheArgument) {
   try {
-    check_hybrid_shape(64, 8, 16, false);
+    check_hybrid_shape(64, 8, 16, false, ParentLayout{});
     FAIL();
   } catch (const ArgumentError& e) {
     EXPECT_EQ(std::string(e.what()).rfind("size_swa:", 0), 0u) << e.what();
