@@ -233,7 +233,7 @@ def test_the_reference_finder_sees_what_a_new_use_would_add():
 SUBCLASSES = [adapter.SWATokenToKVPoolAllocator, adapter.PagedTokenToKVPoolAllocator, adapter.TokenToKVPoolAllocator,
               adapter.LockstepSWATokenToKVPoolAllocator, adapter.LockstepPagedTokenToKVPoolAllocator,
               adapter.LockstepTokenToKVPoolAllocator, shared.SharedSWATokenToKVPoolAllocator,
-              shared_pool.SharedSWAKVPool, shared_pool._BorrowedStorageMHAPool, lockstep._ShadowKVCache]
+              shared_pool.SharedSWAKVPool, shared_pool._KVViewPool, lockstep._ShadowKVCache]
 
 
 @pytest.mark.parametrize("ours", SUBCLASSES, ids=lambda c: c.__name__)
