@@ -662,7 +662,10 @@ class SWAAllocatorRef:
         self.full_attn_allocator.clear()
         self.swa_attn_allocator.clear()
         # The last entry is a sentinel: mapping[-1] == -1, so last_loc -1 translates to -1.
-        self.full_to_swa_index_mapping = [0] * (self._size_full + self.page_size) + [-1]
+        # Its slots: SGLang's size + page_size, or every slot of the full side's pages where
+        # they are child pages (their parent 0's included), if more.
+        slots = max(self._size_full + self.page_size, (self.full_attn_allocator.num_pages + 1) * self.page_size)
+        self.full_to_swa_index_mapping = [0] * slots + [-1]
 
     def snapshot(self) -> dict:
         return {

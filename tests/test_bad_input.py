@@ -9,7 +9,8 @@ too and keep its snapshot.
 
 The fixture state is not trivial: two live requests (one with a partial last page,
 one whose SWA window was partly evicted) and some freed pages, in both page-size
-regimes (1 and 4), with need_sort on and off, and in the shared mode (SPEC.md section 8).
+regimes (1 and 4), with need_sort on and off, and in the shared mode (SPEC.md section 8), at
+parent_k 1 and on parent pages (section 8.1: parent_k 3, either side small).
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ def T(values, dtype=torch.int64):
 class World:
     """A native allocator and the reference, driven to the same non-trivial state."""
 
-    def __init__(self, page_size, need_sort, shared=False):
+    def __init__(self, page_size, need_sort, shared=False, parent_k=1, small_side="swa"):
         self.ps = ps = page_size
-        size_swa = SIZE if shared else SIZE_SWA
-        self.native = swa_ext.SWATokenToKVPoolAllocator(SIZE, size_swa, ps, torch.bfloat16, "cpu", need_sort=need_sort,
-                                                        shared=shared)
-        self.ref = SWAAllocatorRef(SIZE, size_swa, ps, need_sort, shared=shared)
+        size, size_swa = SIZE, SIZE_SWA
+        if shared:  # the small side parent_k times the other's
+            size, size_swa = (SIZE, SIZE * parent_k) if small_side == "swa" else (SIZE * parent_k, SIZE)
+        self.native = swa_ext.SWATokenToKVPoolAllocator(size, size_swa, ps, torch.bfloat16, "cpu", need_sort=need_sort,
+                                                        shared=shared, parent_k=parent_k, small_side=small_side)
+        self.ref = SWAAllocatorRef(size, size_swa, ps, need_sort, shared=shared, parent_k=parent_k,
+                                   small_side=small_side)
         # a: 2 pages + 1 token (partial last page), fully mapped.
         self.a = self.both("alloc_extend", T([0, 0]), T([0, 0]), T([2 * ps + 1, 2 * ps]), T([2 * ps + 1, 2 * ps]),
                            T([-1, -1]), 4 * ps + 1)
@@ -73,13 +77,14 @@ class World:
         )
 
     def free_token(self):
-        """A full token index whose page is free (never handed out in this state)."""
-        held = {t // self.ps for t in self.a + self.b}
-        page = next(p for p in range(1, SIZE // self.ps + 1) if p not in held)
+        """A full token index whose page is free (a child page: free in a parent, bound or not)."""
+        pool = self.ref.full_attn_allocator
+        page = next(p for p in range(1, pool.num_pages + 1) if pool._state[p] == "free")
         return page * self.ps
 
-    def past_end(self):
-        return (SIZE // self.ps + 1) * self.ps
+    def past_end(self, pool="full_attn_allocator"):
+        """One past the last slot of a side's pages."""
+        return (getattr(self.ref, pool).num_pages + 1) * self.ps
 
 
 def expect(world, exc, name, *args, ref=True, target=None, **kwargs):
@@ -100,13 +105,16 @@ def expect(world, exc, name, *args, ref=True, target=None, **kwargs):
     return info.value
 
 
-@pytest.fixture(params=[(1, False), (4, False), (4, True), (1, True), (1, False, True), (4, True, True)],
-                ids=["ps1", "ps4", "ps4-sorted", "ps1-sorted", "ps1-shared", "ps4-sorted-shared"])
+@pytest.fixture(params=[(1, False), (4, False), (4, True), (1, True), (1, False, True), (4, True, True),
+                        (1, False, True, 3, "full"), (4, True, True, 3, "full"), (4, False, True, 3, "swa")],
+                ids=["ps1", "ps4", "ps4-sorted", "ps1-sorted", "ps1-shared", "ps4-sorted-shared",
+                     "ps1-k3-full", "ps4-sorted-k3-full", "ps4-k3-swa"])
 def world(request):
     return World(*request.param)
 
 
-@pytest.fixture(params=[(4, False), (4, True), (4, False, True)], ids=["ps4", "ps4-sorted", "ps4-shared"])
+@pytest.fixture(params=[(4, False), (4, True), (4, False, True), (4, False, True, 3, "full")],
+                ids=["ps4", "ps4-sorted", "ps4-shared", "ps4-k3-full"])
 def paged(request):
     return World(*request.param)
 
@@ -315,7 +323,7 @@ def test_translate_outside_the_mapping(world):
 
 def test_swa_slot_outside_the_swa_pool(world):
     w = world
-    expect(w, ValueError, "set_full_to_swa_mapping", T([w.a[0]]), T([(w.native.size_swa // w.ps + 1) * w.ps]))
+    expect(w, ValueError, "set_full_to_swa_mapping", T([w.a[0]]), T([w.past_end("swa_attn_allocator")]))
     expect(w, ValueError, "set_full_to_swa_mapping", T([w.a[0]]), T([-3]))
 
 
@@ -480,6 +488,44 @@ def test_bad_constructor_arguments():
         swa_ext.SWATokenToKVPoolAllocator(64, 32, 4, torch.bfloat16, "cpu", shared=True)
 
 
+def test_bad_parent_page_arguments():
+    """parent_k and small_side (SPEC.md section 8.1): refused by name, the sizes checked against them."""
+    def build(size=64, size_swa=64 * 3, **kwargs):
+        kwargs = {"shared": True, "parent_k": 3, **kwargs}
+        return swa_ext.SWATokenToKVPoolAllocator(size, size_swa, 4, torch.bfloat16, "cpu", **kwargs)
+
+    for bad in (0, -1, 65, 2**63 - 1):
+        with pytest.raises(ValueError, match=r"^parent_k: must be in \[1, 64\]"):
+            build(parent_k=bad)
+    with pytest.raises(ValueError, match="^parent_k: above 1 needs the shared mode"):
+        build(shared=False)
+    for bad in (True, 3.0, "3", None):
+        with pytest.raises(TypeError, match="^parent_k:"):
+            build(parent_k=bad)
+    with pytest.raises(ValueError, match="^small_side: must be 'full' or 'swa'"):
+        build(small_side="both")
+    with pytest.raises(TypeError, match="^small_side:"):
+        build(small_side=None)
+    with pytest.raises(ValueError, match=r"^size_swa: must be parent_k \(3\) times size \(64\)"):
+        build(size_swa=64 * 2)
+    with pytest.raises(ValueError, match=r"^size: must be parent_k \(3\) times size_swa \(64\)"):
+        build(size=64, size_swa=64, small_side="full")
+    with pytest.raises(ValueError, match="^parent_k: above 1 is served by the CPU store only"):
+        build(kernels="emulated")
+    assert build(size=64 * 3, size_swa=64, small_side="full").parent_k == 3
+
+
+def test_parent_k_of_entry_sizes():
+    pk = swa_ext._C.parent_k
+    # Llama-4-Scout (144 vs 48 KiB a token), MiMo-V2-Flash (200 vs 20), equal entries, a padded one.
+    assert (pk(144, 48), pk(200, 20), pk(48, 48), pk(49, 48)) == (3, 10, 1, 2)
+    assert pk(2**63 - 1, 2) == 2**62 and pk(2**63 - 1, 1) == 2**63 - 1  # no overflow on the way
+    with pytest.raises(ValueError, match="^smaller_entry_bytes: must be >= 1"):
+        pk(48, 0)
+    with pytest.raises(ValueError, match="^larger_entry_bytes: must be at least smaller_entry_bytes"):
+        pk(47, 48)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("device,kernels", [("cpu", "emulated"), ("cuda", "cuda")])
 def test_shared_mode_on_a_device_store_matches_the_cpu_store(device, kernels, page_size, monkeypatch):
@@ -632,12 +678,16 @@ def _allocator(kind, page_size, kernels, dev):
         return swa_ext.SWATokenToKVPoolAllocator(256, 128, page_size, torch.bfloat16, dev, kernels=kernels)
     if kind == "shared":
         return swa_ext.SWATokenToKVPoolAllocator(256, 256, page_size, torch.bfloat16, dev, kernels=kernels, shared=True)
+    if kind == "parents":  # parent pages, the full side small (every served model's)
+        return swa_ext.SWATokenToKVPoolAllocator(3 * 256, 256, page_size, torch.bfloat16, dev, kernels=kernels,
+                                                 shared=True, parent_k=3, small_side="full")
     if page_size == 1:
         return swa_ext.TokenToKVPoolAllocator(256, torch.bfloat16, dev, kernels=kernels)
     return swa_ext.PagedTokenToKVPoolAllocator(256, page_size, torch.bfloat16, dev, kernels=kernels)
 
 
 KINDS_AND_KERNELS = [(kind, kernels) for kernels in ("cpu", "emulated", "cuda") for kind in ("hybrid", "shared", "pool")]
+KINDS_AND_KERNELS += [("parents", "cpu")]  # parent_k > 1: the CPU store
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 4, 16])

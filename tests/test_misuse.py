@@ -235,8 +235,11 @@ class Walk:
     def __init__(self, kind, page_size, need_sort, kernels, seed):
         self.kind, self.ps, self.need_sort = kind, page_size, need_sort
         self.rng = random.Random(seed)
-        self.hybrid = kind in ("hybrid", "shared")
-        self.shared = kind == "shared"  # the shared mode (SPEC.md section 8): one list, 24 pages
+        self.hybrid = kind in ("hybrid", "shared", "parents")
+        # The shared mode (SPEC.md section 8): one list of 24 parents; "parents": parent pages
+        # (section 8.1), 3 full pages (the small side, as in every served model) to a parent.
+        self.shared = kind in ("shared", "parents")
+        self.parent_k = 3 if kind == "parents" else 1
         self.num_pages = 24 if kind != "swa_view" else 12
         self.row_len = 8 * page_size
         self.subjects = [self._make("cpu")]
@@ -256,10 +259,10 @@ class Walk:
 
     def _make(self, kernels):
         ps, dev = self.ps, _device_for(kernels)
-        if self.kind in ("hybrid", "shared", "full_view", "swa_view"):
-            hybrid = swa_ext.SWATokenToKVPoolAllocator(24 * ps, (24 if self.shared else 12) * ps, ps, torch.bfloat16,
-                                                       dev, need_sort=self.need_sort, kernels=kernels,
-                                                       shared=self.shared)
+        if self.kind in ("hybrid", "shared", "parents", "full_view", "swa_view"):
+            hybrid = swa_ext.SWATokenToKVPoolAllocator(24 * ps * self.parent_k, (24 if self.shared else 12) * ps, ps,
+                                                       torch.bfloat16, dev, need_sort=self.need_sort, kernels=kernels,
+                                                       shared=self.shared, parent_k=self.parent_k, small_side="full")
             if self.kind == "full_view":
                 return hybrid.full_attn_allocator
             if self.kind == "swa_view":
@@ -530,6 +533,9 @@ class Walk:
 
         def call(a, d):
             swa_slot = a.translate_loc_from_full_to_swa(T([full_slot], d))
+            # A full slot of the parent that holds it: of its first child page (the SWA slot itself at k 1).
+            ps, k = self.ps, self.parent_k
+            swa_slot = swa_slot // ps * k * ps + swa_slot % ps
             return a.full_attn_allocator.free(swa_slot) if how == "full_view" else getattr(a, how)(swa_slot)
 
         self._call(call)
@@ -626,9 +632,14 @@ class Walk:
                 assert (swa != 0) == (pos >= q.ev), f"request {q.rid} position {pos} maps to {swa} (evicted {q.ev})"
                 if swa:
                     swa_pages.add(swa // ps)
-        if self.shared:  # one list of 24 pages: both counts read what neither kind holds
-            assert not full_pages & swa_pages, f"pages held as both kinds: {full_pages & swa_pages}"
-            assert host.full_available_size() == host.swa_available_size() == (24 - len(full_pages | swa_pages)) * ps
+        if self.shared:  # one list of 24 parents: both counts read what neither side binds
+            k = self.parent_k
+            full_parents = {p // k for p in full_pages}  # a full page is a child page, k to a parent
+            assert not full_parents & swa_pages, f"parents bound to both sides: {full_parents & swa_pages}"
+            unbound = 24 - len(full_parents | swa_pages)
+            assert host.swa_available_size() == unbound * ps
+            # The full side also takes the free child pages of its partly used parents.
+            assert host.full_available_size() == (unbound * k + len(full_parents) * k - len(full_pages)) * ps
             return
         assert host.full_available_size() == (24 - len(full_pages)) * ps
         assert host.swa_available_size() == (12 - len(swa_pages)) * ps
@@ -652,6 +663,7 @@ KINDS = [("hybrid", 1), ("hybrid", 16), ("hybrid", 64), ("paged", 1), ("paged", 
          ("full_view", 1), ("swa_view", 16)]
 WALKS = [(kind, ps, kernels) for kernels in ("cpu", "emulated", "cuda")
          for kind, ps in KINDS + [("shared", 1), ("shared", 4), ("shared", 16)]]
+WALKS += [("parents", ps, "cpu") for ps in (1, 4, 16)]  # parent_k > 1: the CPU store
 
 
 @pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])

@@ -75,7 +75,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     need_sort = False
     kernels = "auto"  # "emulated": the device algorithm, its kernels run on the CPU
     shared = False  # the shared mode (SPEC.md section 8): one list for full and SWA pages
-    parent_k = 1  # the shared mode's parent pages: parent_k SWA pages (the small side) to a parent
+    parent_k = 1  # the shared mode's parent pages: parent_k pages of small_side to a parent, one of the other side
+    small_side = "swa"
 
     def __init__(self):
         super().__init__()
@@ -147,7 +148,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     def setup(self, full_pages, swa_pages, extra_tokens, debug):
         ps = self.ps
         size = full_pages * ps + (extra_tokens % ps)  # sizes need not be page multiples
-        size_swa = size * self.parent_k if self.shared else swa_pages * ps
+        size_swa = swa_pages * ps
+        if self.shared:  # the large side's size from full_pages, the small side's parent_k times it
+            size_swa = size * self.parent_k if self.small_side == "swa" else size
+            size = size if self.small_side == "swa" else size * self.parent_k
         # SWA_EXT_DEBUG=1 at construction: every mutating call runs check_invariants().
         # The device algorithm checks index values on the device; only in debug mode does a
         # bad call raise before it changes anything, which bad_call expects.
@@ -157,14 +161,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         try:
             self.native = swa_ext.SWATokenToKVPoolAllocator(
                 size, size_swa, ps, torch.bfloat16, "cpu", need_sort=self.need_sort, kernels=self.kernels,
-                shared=self.shared, parent_k=self.parent_k,
+                shared=self.shared, parent_k=self.parent_k, small_side=self.small_side,
             )
         finally:
             if saved is None:
                 del os.environ["SWA_EXT_DEBUG"]
             else:
                 os.environ["SWA_EXT_DEBUG"] = saved
-        self.ref = SWAAllocatorRef(size, size_swa, ps, self.need_sort, shared=self.shared, parent_k=self.parent_k)
+        self.ref = SWAAllocatorRef(size, size_swa, ps, self.need_sort, shared=self.shared, parent_k=self.parent_k,
+                                   small_side=self.small_side)
 
     # ------------------------------------------------------------ invariants
 
@@ -179,11 +184,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         used = (n.full_used_size(), n.swa_used_size())
         assert used == (r.full_used_size(), r.swa_used_size())
         # Every page is available or held by one kind (the shared mode's one list), or by its side.
-        pages = r.full_attn_allocator.num_pages * r.page_size
-        if self.shared:  # in SWA pages (parent_k to a parent): held full parents, held SWA pages, the SWA side's room
-            assert used[0] * self.parent_k + used[1] + n.swa_available_size() == pages * self.parent_k
+        if self.shared:  # in small-side slots (parent_k to a large one): held large, held small, the small side's room
+            small_swa = self.small_side == "swa"
+            large_used, small_used = (used[0], used[1]) if small_swa else (used[1], used[0])
+            small_room = n.swa_available_size() if small_swa else n.full_available_size()
+            parents = (r.full_attn_allocator if small_swa else r.swa_attn_allocator).num_pages
+            assert large_used * self.parent_k + small_used + small_room == parents * r.page_size * self.parent_k
         else:
-            assert used[0] + n.full_available_size() == pages
+            assert used[0] + n.full_available_size() == r.full_attn_allocator.num_pages * r.page_size
             assert used[1] + n.swa_available_size() == r.swa_attn_allocator.num_pages * r.page_size
         for pool_n, pool_r in ((n.full_attn_allocator, r.full_attn_allocator), (n.swa_attn_allocator, r.swa_attn_allocator)):
             assert pool_n.free_pages.tolist() == pool_r.free_pages
@@ -456,7 +464,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.shared and any(len(self.reqs[r].row) > self.reqs[r].evicted for r in live):
             kinds.append("swa_slot_freed_as_full")
         kind = data.draw(st.sampled_from(sorted(kinds)))
-        last_page_end = (self.native.size_full // ps + 1) * ps
+        last_page_end = (self.ref.full_attn_allocator.num_pages + 1) * ps  # one past the full side's last page
         if kind == "mismatched":
             self._expect_error("alloc_extend", T([0, 0]), T([0, 0]), T([1, 2]), T([1, 2]), T([-1]), 3)
         elif kind == "ext_disagrees":
@@ -542,8 +550,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             rid = data.draw(st.sampled_from([r for r in live if len(self.reqs[r].row) > self.reqs[r].evicted]))
             q = self.reqs[rid]
             swa_slot = self.native.translate_loc_from_full_to_swa(T(q.row[q.evicted :])).tolist()[0]
-            # The full slot of the parent that holds it (the SWA slot itself at parent_k 1).
-            full_slot = swa_slot // (ps * self.parent_k) * ps + swa_slot % ps
+            # A full slot of the parent that holds it (the SWA slot itself at parent_k 1).
+            if self.small_side == "swa":
+                full_slot = swa_slot // (ps * self.parent_k) * ps + swa_slot % ps
+            else:
+                full_slot = swa_slot // ps * self.parent_k * ps + swa_slot % ps
             call = data.draw(st.sampled_from(["free", "free_full", "free_full_segment"]))
             if call == "free_full_segment":
                 self._expect_error(call, T([full_slot // ps * ps + k for k in range(ps)]), start_pos=0)
@@ -553,12 +564,13 @@ class AllocatorMachine(RuleBasedStateMachine):
             raise AssertionError(kind)
 
 
-def _machine(page_size, need_sort, kernels="auto", shared=False, parent_k=1):
+def _machine(page_size, need_sort, kernels="auto", shared=False, parent_k=1, small_side="swa"):
     return type(
         f"AllocatorMachine_ps{page_size}_{'sorted' if need_sort else 'unsorted'}_{kernels}{'_shared' if shared else ''}"
-        f"{f'_k{parent_k}' if parent_k > 1 else ''}",
+        f"{f'_k{parent_k}_small_{small_side}' if parent_k > 1 else ''}",
         (AllocatorMachine,),
-        {"page_size": page_size, "need_sort": need_sort, "kernels": kernels, "shared": shared, "parent_k": parent_k},
+        {"page_size": page_size, "need_sort": need_sort, "kernels": kernels, "shared": shared, "parent_k": parent_k,
+         "small_side": small_side},
     )
 
 
@@ -584,14 +596,16 @@ def test_native_matches_reference(page_size, need_sort, shared, request):
     _run(_machine(page_size, need_sort, shared=shared), request.config.getoption("--slow"), CI_EXAMPLES)
 
 
+@pytest.mark.parametrize("small_side", ["swa", "full"])
 @pytest.mark.parametrize("parent_k", [2, 3, 10])
 @pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need_sort"])
 @pytest.mark.parametrize("page_size", [1, 3, 4])
-def test_parent_pages_match_reference(page_size, need_sort, parent_k, request):
-    """The shared mode at parent_k > 1 (the SWA side small, parent_k SWA pages to a parent) on
-    the CPU store against the reference; parent_k 1 is test_native_matches_reference's shared mode."""
-    _run(_machine(page_size, need_sort, shared=True, parent_k=parent_k), request.config.getoption("--slow"),
-         CI_EXAMPLES_EMULATED)
+def test_parent_pages_match_reference(page_size, need_sort, parent_k, small_side, request):
+    """The shared mode at parent_k > 1 (parent_k pages of small_side to a parent; every served
+    model's small side is the full one) on the CPU store against the reference; parent_k 1 is
+    test_native_matches_reference's shared mode."""
+    _run(_machine(page_size, need_sort, shared=True, parent_k=parent_k, small_side=small_side),
+         request.config.getoption("--slow"), CI_EXAMPLES_EMULATED)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["default", "shared"])

@@ -1,5 +1,7 @@
 #include "allocator.h"
 
+#include <algorithm>
+
 namespace swa {
 
 namespace {
@@ -152,7 +154,11 @@ HybridAllocator::HybridAllocator(std::unique_ptr<HybridStore> store)
 int64_t HybridAllocator::mapping_size(int64_t size, int64_t size_swa, int64_t page_size, bool shares_list,
                                       const ParentLayout& parents) {
   check_hybrid_shape(size, size_swa, page_size, shares_list, parents);
-  return size + page_size + 1;
+  // SGLang's size + page_size slots and the -1 sentinel; where the full side's pages are
+  // child pages, every slot they span (rules.h's child_slot_end), which can be more.
+  const bool full_children = shares_list && parents.k > 1 && parents.small_side == Side::kFull;
+  const int64_t slot_end = full_children ? child_slot_end(size_swa / page_size, parents.k, page_size) : 0;
+  return std::max(size + page_size, slot_end) + 1;
 }
 
 int64_t HybridAllocator::available_size() {

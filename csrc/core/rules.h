@@ -45,7 +45,7 @@ struct PageKind {
 // whose KV entry (bytes a token) is larger, or parent_k pages of the other side, the larger
 // entry padded to parent_k smaller ones. The one rule for parent_k.
 SWA_HD int64_t parent_k(int64_t larger_entry_bytes, int64_t smaller_entry_bytes) {
-  return (larger_entry_bytes + smaller_entry_bytes - 1) / smaller_entry_bytes;
+  return (larger_entry_bytes - 1) / smaller_entry_bytes + 1;  // ceil, without overflow near 2**63
 }
 // The index layout: slots stay physical, so the smaller side's child page c lies in parent
 // c / parent_k, and parent q holds child pages q * parent_k .. q * parent_k + parent_k - 1
@@ -54,6 +54,11 @@ SWA_HD int64_t parent_of(int64_t child_page, int64_t k) { return child_page / k;
 SWA_HD int64_t first_child(int64_t parent, int64_t k) { return parent * k; }
 // The child pages of num_parents parents: ids 1 .. child_page_count, those of parent 0 padding.
 SWA_HD int64_t child_page_count(int64_t num_parents, int64_t k) { return (num_parents + 1) * k - 1; }
+// One past the small side's last slot: its slots span the child pages of parent 0 too,
+// (num_parents + 1) * k pages, k - 1 pages more than k times the large side's.
+SWA_HD int64_t child_slot_end(int64_t num_parents, int64_t k, int64_t page_size) {
+  return (child_page_count(num_parents, k) + 1) * page_size;
+}
 
 // Where released pages go.
 enum class Destination : int32_t {

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "allocator.h"
@@ -14,10 +16,12 @@ namespace {
 struct Fixture {
   V mapping;
   HybridAllocator alloc;
-  // shares_list: the shared mode (SPEC.md section 8), one list for both kinds.
-  Fixture(int64_t size, int64_t size_swa, int64_t ps, bool need_sort = false, bool shares_list = false)
-      : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, shares_list))),
-        alloc(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shares_list, ParentLayout{}, mapping.data(),
+  // shares_list: the shared mode (SPEC.md section 8), one list for both kinds, of parent
+  // pages (section 8.1) as `parents` lays them out.
+  Fixture(int64_t size, int64_t size_swa, int64_t ps, bool need_sort = false, bool shares_list = false,
+          const ParentLayout& parents = ParentLayout{})
+      : mapping(static_cast<size_t>(HybridAllocator::mapping_size(size, size_swa, ps, shares_list, parents))),
+        alloc(std::make_unique<HostHybridStore>(size, size_swa, ps, need_sort, shares_list, parents, mapping.data(),
                                                 static_cast<int64_t>(mapping.size()))) {}
 
   V extend(const V& prefix, const V& seq, const V& last, int64_t ext) {
@@ -150,6 +154,47 @@ TEST(Shared, ARequestWhoseWindowSlidGivesItsSwaPagesBackToTheOneList) {
 TEST(Shared, SizeSwaMustEqualSize) {
   EXPECT_THROW(HybridAllocator::mapping_size(128, 64, 16, true), ArgumentError);
   EXPECT_EQ(HybridAllocator::mapping_size(128, 128, 16, true), 128 + 16 + 1);
+}
+
+TEST(Shared, TheMappingCoversEveryFullSlotWhereTheFullSideIsSmall) {
+  // 8 parents of 16 SWA slots, 3 full child pages each: the full slots span (8 + 1) * 3 pages
+  // (parent 0's included), two pages more than SGLang's size + page_size.
+  EXPECT_EQ(HybridAllocator::mapping_size(3 * 128, 128, 16, true, ParentLayout{3, Side::kFull}), 9 * 3 * 16 + 1);
+  EXPECT_EQ(HybridAllocator::mapping_size(128, 3 * 128, 16, true, ParentLayout{3, Side::kSwa}), 128 + 16 + 1);
+}
+
+// Parent pages at k 3, the full side small: a binding planted behind the allocator's back
+// (a page state written directly) is caught by check_invariants().
+TEST(Parents, InvariantCheckCatchesAPlantedWrongBinding) {
+  const int64_t ps = 4, k = 3;
+  const auto planted = [&](const auto& plant) {
+    Fixture f(8 * ps * k, 8 * ps, ps, false, true, ParentLayout{k, Side::kFull});
+    const V a = f.extend({0}, {2 * ps}, {-1}, 2 * ps);  // two full child pages of one parent, two SWA parents
+    f.alloc.check_invariants();
+    auto& full = dynamic_cast<PagePool&>(f.alloc.full());
+    auto& swa = dynamic_cast<PagePool&>(f.alloc.swa());
+    const int64_t full_parent = parent_of(a[0] / ps, k), swa_parent = f.mapping[a[0]] / ps;
+    ASSERT_EQ(full.state(first_child(full_parent, k) + 2), PageState::kFree);  // the parent's free child page
+    plant(full, swa, full_parent, swa_parent);
+    try {
+      f.alloc.check_invariants();
+      ADD_FAILURE() << "a planted binding passed check_invariants()";
+    } catch (const std::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("invariant broken"), std::string::npos) << e.what();
+    }
+  };
+  // A full child page held in a parent the SWA side holds.
+  planted([&](PagePool& full, PagePool&, int64_t, int64_t swa_parent) {
+    full.states()[first_child(swa_parent, k)] = full.kind().held;
+  });
+  // The full side's parent marked as an SWA page.
+  planted([&](PagePool&, PagePool& swa, int64_t full_parent, int64_t) { swa.states()[full_parent] = swa.kind().held; });
+  // The free child page of a partly used parent marked held, its counts left as they were.
+  planted([&](PagePool& full, PagePool&, int64_t full_parent, int64_t) {
+    full.states()[first_child(full_parent, k) + 2] = full.kind().held;
+  });
+  // An SWA page marked free while its parent stays out of the list.
+  planted([&](PagePool&, PagePool& swa, int64_t, int64_t swa_parent) { swa.states()[swa_parent] = PageState::kFree; });
 }
 
 TEST(Hybrid, InvariantCheckCatchesAStaleMapping) {
