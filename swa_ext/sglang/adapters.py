@@ -74,14 +74,19 @@ class SWATokenToKVPoolAllocator(allocator.SWATokenToKVPoolAllocator, sglang_swa.
     # SGLang's leak checker reads the sub-allocators when the hybrid has no free list.
     free_pages = None
     release_pages = None
-    _shared = False  # swa_ext's shared mode (one free list for both sides): swa_ext.sglang.shared
 
     def __init__(self, size, size_swa, page_size, dtype, device, kvcache, need_sort, req_to_token_pool=None):
         allocator.SWATokenToKVPoolAllocator.__init__(self, size, size_swa, page_size, dtype, device, kvcache,
-                                                     need_sort, shared=self._shared)
+                                                     need_sort, **self._page_layout(kvcache))
         # SGLang's inherited hooks read these; swa_ext never serves the per-request ring.
         self._req_to_token_pool = req_to_token_pool
         self._swa_ring_cost = 0
+
+    @staticmethod
+    def _page_layout(kvcache):
+        """The native store's pages for SGLang's KV pool ``kvcache``: two pools, the default
+        mode (swa_ext.sglang.shared lays them out as its KV pool's parent pages)."""
+        return {}
 
     def resize(self, config):
         """SGLang's post-capture KV sizing: both pools cleared at the config's sizes, the

@@ -2,6 +2,7 @@
 capacity gates price full and SWA pages together against the one free count (what they
 admit allocates; what they refuse would not), the sizing at SGLang's KV bytes, the KV
 pool whose SWA layers use the full layers' storage, the one-line refusals, the switch."""
+import itertools
 import types
 
 import pytest
@@ -546,6 +547,40 @@ def test_sglangs_kv_move_and_cpu_backup_read_the_views(runtime, mix):
         assert torch.equal(pool.swa_kv_pool.k_buffer[n][3 * PAGE + 2], key[0])
 
 
+@pytest.mark.parametrize("mix", ["pairs", "gpt-oss 3:1", "mimo"])
+def test_the_allocator_hands_out_the_parent_pages_of_its_kv_pool(runtime, mix):
+    """SGLang builds the hybrid allocator on its KV pool: the shared mode's takes the pool's
+    parent_k and small side, so every full and SWA token it hands out has rows of its own
+    in the one storage. Requests until the budget refuses, every other one freed, then
+    requests again (the small side fills its partly used parents): each token's rows,
+    written through SGLang's set_kv_buffer as it is handed out, still hold what was
+    written once the budget is spent."""
+    pool = build_pool(mix, parents=24)
+    alloc = SharedSWATokenToKVPoolAllocator(pool.size, pool.size_swa, PAGE, torch.float16, "cpu", pool, False)
+    assert (alloc.parent_k, alloc.small_side) == (pool.parent_k, pool.small_side)
+    held, seed = [], 0
+    for round_ in range(2):
+        for length, tail in itertools.cycle(((40, 20), (23, 23), (70, 5))):
+            full = prompt(alloc, length, tail)
+            if full is None:
+                break
+            swa = alloc.translate_loc_from_full_to_swa(full[-tail:])
+            rows = [(side, int(slot), write_slot(pool, side, int(slot), seed := seed + 1))
+                    for side, slots in (("full", full), ("swa", swa)) for slot in slots]
+            held.append((full, rows))
+        if round_ == 0:
+            for full, _ in held[::2]:
+                alloc.free(full)
+            held = held[1::2]
+    assert len(held) > 3
+    for _, rows in held:
+        for side, slot, written in rows:
+            sub_pool = pool.full_kv_pool if side == "full" else pool.swa_kv_pool
+            for n, (key, value) in enumerate(written):
+                assert torch.equal(sub_pool.k_buffer[n][slot], key[0]), (side, slot, n)
+                assert torch.equal(sub_pool.v_buffer[n][slot], value[0]), (side, slot, n)
+
+
 @pytest.mark.parametrize("fault", ["next slot's row", "another layer's row"])
 def test_a_view_planted_at_a_wrong_offset_is_caught(runtime, monkeypatch, fault):
     """The checks above can fail: a layout whose one SWA-side row lies on the next slot's
@@ -679,3 +714,22 @@ def test_the_slot_kind_check_finds_a_slot_in_use_as_full_and_as_swa():
         check_slot_kinds(batch)
     mapping.copy_(saved)
     check_slot_kinds(batch)
+
+
+def test_at_parent_k_3_a_slot_is_in_use_where_its_bytes_are():
+    """Full and SWA slots number the small and the large side's rows: the same number on
+    both sides is two places in the storage, and an SWA slot collides with the full slots
+    whose bytes it shares (small-side slots j*k .. j*k+k-1 for large-side slot j)."""
+    from swa_ext.sglang.shared import SlotKindCollision, check_slot_kinds
+
+    alloc = SharedSWATokenToKVPoolAllocator(3 * 256, 256, PAGE, torch.float16, "cpu", RecordingSWAKVCache(parent_k=3),
+                                            False)
+    full = prompt(alloc, 40, 20)
+    swa = alloc.translate_loc_from_full_to_swa(full[-20:])
+    assert bool(torch.isin(swa, full).any())  # numbers both sides use, in other bytes
+    batch = batch_of(alloc, [full])
+    check_slot_kinds(batch)
+    mapping = alloc.full_to_swa_index_mapping
+    mapping[full[0]] = int(full[-1]) // 3  # an SWA slot on the last full token's bytes
+    with pytest.raises(SlotKindCollision, match=rf"SWA slots in use as full slots \[{int(full[-1]) // 3}\]"):
+        check_slot_kinds(batch)
