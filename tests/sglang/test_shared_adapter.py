@@ -384,8 +384,9 @@ def build_pool(mix, parents=PARENTS):
 
 
 def sides(pool):
-    """(small side's sub-pool, large side's), as the pool's sizes make them."""
-    full, swa = pool.full_kv_pool, pool.swa_kv_pool
+    """(small side's sub-pool, large side's) of a KV pool or an allocator."""
+    full, swa = (pool.full_kv_pool, pool.swa_kv_pool) if isinstance(pool, SWAKVPool) else \
+        (pool.full_attn_allocator, pool.swa_attn_allocator)
     return (full, swa) if pool.small_side == "full" else (swa, full)
 
 
@@ -558,6 +559,11 @@ def test_the_allocator_hands_out_the_parent_pages_of_its_kv_pool(runtime, mix):
     pool = build_pool(mix, parents=24)
     alloc = SharedSWATokenToKVPoolAllocator(pool.size, pool.size_swa, PAGE, torch.float16, "cpu", pool, False)
     assert (alloc.parent_k, alloc.small_side) == (pool.parent_k, pool.small_side)
+    k, small, large = alloc.parent_k, *sides(alloc)
+    # Each side's free pages in its own page ids (SGLang's KV page checks compare them with
+    # the pages requests hold): the child pages of every parent on the small side.
+    assert small.get_all_free_pages().sort().values.tolist() == list(range(k, 25 * k))
+    assert large.get_all_free_pages().sort().values.tolist() == list(range(1, 25))
     held, seed = [], 0
     for round_ in range(2):
         for length, tail in itertools.cycle(((40, 20), (23, 23), (70, 5))):
@@ -573,6 +579,10 @@ def test_the_allocator_hands_out_the_parent_pages_of_its_kv_pool(runtime, mix):
                 alloc.free(full)
             held = held[1::2]
     assert len(held) > 3
+    for side, sub_alloc in (("full", alloc.full_attn_allocator), ("swa", alloc.swa_attn_allocator)):
+        in_use = torch.tensor([slot // PAGE for _, rows in held for kind, slot, _ in rows if kind == side])
+        assert not bool(torch.isin(in_use, sub_alloc.get_all_free_pages()).any()), side
+    assert large.get_all_free_pages().numel() * PAGE == large.available_size()
     for _, rows in held:
         for side, slot, written in rows:
             sub_pool = pool.full_kv_pool if side == "full" else pool.swa_kv_pool
