@@ -19,8 +19,9 @@ if _AS_COMMAND:
 # The native module links against libtorch, and importing torch takes seconds: both load on
 # first use, so that the swa-ext command parses its arguments and handles Ctrl-C before.
 _ALLOCATORS = ("PagedTokenToKVPoolAllocator", "SWATokenToKVPoolAllocator", "TokenToKVPoolAllocator")
-# DeferredError: a device allocator's check that failed on the GPU, found after its call returned.
-_NATIVE = ("_C", "ConcurrentUseError", "DeferredError")
+# DeferredError: a device allocator's check that failed on the GPU, found after its call returned;
+# parent_k: the shared mode's parent pages for two KV entry sizes (SPEC.md section 8.1).
+_NATIVE = ("_C", "ConcurrentUseError", "DeferredError", "parent_k")
 
 
 def __getattr__(name):
@@ -54,4 +55,5 @@ __all__ = [
     "TokenToKVPoolAllocator",
     "__version__",
     "built_with_cuda",
+    "parent_k",
 ]

@@ -25,7 +25,8 @@ except ImportError:  # the source tree without the installed package
     from bench import micro, sglang_ref
 
 NUMBERS = [
-    f"{impl}_{stat}_us" for impl in ("native", "baseline", "floor") for stat in ("median", "p10", "p90")
+    f"{impl}_{stat}_us" for impl in ("native", "shared", "parents", "baseline", "floor")
+    for stat in ("median", "p10", "p90")
 ] + ["speedup_vs_baseline", "ratio_to_floor"]
 
 
@@ -37,7 +38,7 @@ def _check_rows(rows, batch_sizes, page_sizes, devices=("cpu",), ops=micro.OPS):
     for r in rows:
         for k in NUMBERS:
             assert math.isfinite(r[k]) and r[k] > 0, (k, r)
-        for impl in ("native", "baseline", "floor"):
+        for impl in ("native", "shared", "parents", "baseline", "floor"):
             assert r[f"{impl}_p10_us"] <= r[f"{impl}_median_us"] <= r[f"{impl}_p90_us"]
         assert r["iters"] == micro.SMOKE_ITERS
         assert r["results_match"] and r["baseline_mismatch"] is None, r
@@ -79,6 +80,7 @@ def test_goals_reported():
     # The SGLang goal needs SGLang's time; the others are all there.
     assert sorted(goals) == ["cpu alloc_decode B=256 ps=64: <= 3x vs floor",
                              "cpu alloc_decode B=256 ps=64: >= 10x vs baseline",
+                             "cpu: parent pages (k 3) <= 1.1x default",
                              "cpu: shared mode <= 1.1x default",
                              "every cell: >= 1x vs baseline"]
     floor = goals["cpu alloc_decode B=256 ps=64: <= 3x vs floor"]
@@ -86,6 +88,8 @@ def test_goals_reported():
     shared = goals["cpu: shared mode <= 1.1x default"]  # the shared mode against the default, same process
     assert shared["value"] == row["shared_median_us"] / row["native_median_us"] == row["shared_vs_default"]
     assert shared["met"] == (row["shared_vs_default"] <= 1.1)
+    parents = goals["cpu: parent pages (k 3) <= 1.1x default"]  # parent pages against the default, same process
+    assert parents["value"] == row["parents_median_us"] / row["native_median_us"] == row["parents_vs_default"]
     assert "Goals (each at its worst measured cell):" in micro.to_markdown([row])
 
 
@@ -140,10 +144,11 @@ def test_one_ratio_notation_in_progress_table_and_goals(capsys):
     captured = capsys.readouterr()
     progress, wall = captured.err.strip().splitlines()
     assert re.fullmatch(r"\[1/1\] cpu alloc_decode B=1 ps=64: native [\d.,]+ µs, shared [\d.,]+ µs, "
-                        r"baseline [\d.,]+ µs, floor [\d.,]+ µs \([\d.,]+x vs baseline, [\d.,]+x vs floor, "
-                        r"shared [\d.]+x default, 3 iters\)", progress), progress
+                        r"parents [\d.,]+ µs, baseline [\d.,]+ µs, floor [\d.,]+ µs \([\d.,]+x vs baseline, "
+                        r"[\d.,]+x vs floor, shared [\d.]+x default, parents [\d.]+x default, 3 iters\)",
+                        progress), progress
     row = [line for line in captured.out.splitlines() if line.startswith("| cpu | alloc_decode |")]
-    assert len(row) == 1 and re.search(r"\| [\d.,]+x \| [\d.,]+x \| [\d.]+x \| 3 \|$", row[0]), row
+    assert len(row) == 1 and re.search(r"\| [\d.,]+x \| [\d.,]+x \| [\d.]+x \| [\d.]+x \| 3 \|$", row[0]), row
     assert "×" not in captured.out and " x" not in progress
     # The wall time covers the whole command after start-up, measuring included.
     total, measured = map(float, re.fullmatch(r"wall time ([\d.]+) s: 1 case measured in ([\d.]+) s, .*",

@@ -27,7 +27,11 @@ DEFAULT_BATCH_SIZES = (1, 16, 256, 2048)
 DEFAULT_PAGE_SIZES = (1, 16, 64)
 # "shared": native in the shared mode (SPEC.md section 8), one list for both kinds; its
 # full slots are native's, its SWA slots its own, so it is timed, not checked, against native.
-IMPLS = ("native", "shared", "baseline", "sglang", "floor")
+# "parents": the shared mode on parent pages (section 8.1), PARENT_K full pages to a parent
+# (the full side small, as in every served model: Llama-4-Scout, gpt-oss 3 SWA : 1 full), on
+# the CPU store; its full slots are child pages, so it runs the case on its own req_to_token.
+IMPLS = ("native", "shared", "parents", "baseline", "sglang", "floor")
+PARENT_K = 3
 REFERENCES = ("baseline", "sglang")  # checked against native before timing
 
 WINDOW = 128  # tokens (gpt-oss's sliding window)
@@ -89,6 +93,10 @@ class _Case:
         self.native = swa_ext.SWATokenToKVPoolAllocator(size, size, ps, torch.bfloat16, dev)
         self.allocs = {"native": self.native, "baseline": BaselineSWAAllocator(size, size, ps, torch.bfloat16, dev)}
         self.allocs["shared"] = swa_ext.SWATokenToKVPoolAllocator(size, size, ps, torch.bfloat16, dev, shared=True)
+        if device == "cpu":  # parent_k > 1 runs on the CPU store
+            self.allocs["parents"] = swa_ext.SWATokenToKVPoolAllocator(PARENT_K * size, size, ps, torch.bfloat16, dev,
+                                                                       shared=True, parent_k=PARENT_K,
+                                                                       small_side="full")
         if with_sglang:
             self.allocs["sglang"] = sglang_ref.make_allocator(size, size, ps, device)
 
@@ -102,18 +110,24 @@ class _Case:
         outs = {name: alloc.alloc_extend(*args) for name, alloc in self.allocs.items()}
         flat = outs["native"]
         for name, out in outs.items():
-            if out is None or not torch.equal(out.cpu(), flat.cpu()):
+            if out is None or (name != "parents" and not torch.equal(out.cpu(), flat.cpu())):
                 raise RuntimeError(f"state setup: {name}'s alloc_extend diverged from native's (B={B}, ps={ps})")
-        flat = flat.cpu()
-        r2t = torch.zeros(B, ROW_LEN, dtype=torch.int32)
-        off = 0
-        for j, L in enumerate(pre):
-            r2t[j, :L] = flat[off : off + L].to(torch.int32)
-            off += L
-        self.req_to_token = r2t.to(dev)
+
+        def rows_of(slots):
+            r2t = torch.zeros(B, ROW_LEN, dtype=torch.int32)
+            off = 0
+            for j, L in enumerate(pre):
+                r2t[j, :L] = slots[off : off + L].to(torch.int32)
+                off += L
+            return r2t.to(dev)
+
+        self.req_to_token = rows_of(flat.cpu())
+        # The req_to_token of an allocator whose full slots are its own (native's for the rest).
+        self.own_rows = {"parents": rows_of(outs["parents"])} if "parents" in outs else {}
         rows = list(range(B))
         # Window eviction as of the previous decode step (pre_len - 1).
-        evicted = {name: evict_per_request(alloc, self.req_to_token, rows, [p - 1 for p in pre], [0] * B, WINDOW, ps)
+        evicted = {name: evict_per_request(alloc, self.own_rows.get(name, self.req_to_token), rows,
+                                           [p - 1 for p in pre], [0] * B, WINDOW, ps)
                    for name, alloc in self.allocs.items()}
         self.evicted = evicted["native"]
         for name in self.references():
@@ -148,36 +162,39 @@ class _Case:
     def op(self, name: str, floor: Callable) -> Dict[str, Callable[[], object]]:
         """The zero-argument call of case ``name`` of every implementation of the case
         (SGLang's only where it has that call), by name in ``IMPLS`` order."""
-        on, floor_call = getattr(self, "_op_" + name)(floor)
-        calls = {impl: on(alloc) for impl, alloc in self.allocs.items()
+        make = getattr(self, "_op_" + name)
+        on, floor_call = make(floor, self.req_to_token)
+        calls = {impl: (make(floor, self.own_rows[impl])[0] if impl in self.own_rows else on)(alloc)
+                 for impl, alloc in self.allocs.items()
                  if impl != "sglang" or sglang_ref.has_call(name, self.page_size)}
         calls["floor"] = floor_call
         return calls
 
-    # Each returns (on, floor_call): on(allocator) is that allocator's zero-argument
-    # call of the case, with its method looked up now rather than in the timed call.
-    def _op_alloc_decode(self, floor):
+    # Each returns (on, floor_call) for the requests' slots in rows (a req_to_token):
+    # on(allocator) is that allocator's zero-argument call of the case, with its method
+    # looked up now rather than in the timed call.
+    def _op_alloc_decode(self, floor, rows):
         B, dev = self.batch, self.device
         seq_cpu = _i64([p + 1 for p in self.pre])
         seq = seq_cpu.to(dev)
-        last = self.req_to_token[torch.arange(B, device=dev), _i64(self.pre, dev) - 1].to(torch.int64)
+        last = rows[torch.arange(B, device=dev), _i64(self.pre, dev) - 1].to(torch.int64)
         out = torch.empty(B, dtype=torch.int64, device=dev)
         return (lambda a: partial(a.alloc_decode, seq, seq_cpu, last),
                 partial(floor, seq, seq_cpu, last, out))
 
-    def _op_alloc_extend(self, floor):
+    def _op_alloc_extend(self, floor, rows):
         B, dev = self.batch, self.device
         ext = [1 + (37 * j) % 128 for j in range(B)]
         pre_cpu = _i64(self.pre)
         seq_cpu = _i64([p + e for p, e in zip(self.pre, ext)])
         pre, seq = pre_cpu.to(dev), seq_cpu.to(dev)
-        last = self.req_to_token[torch.arange(B, device=dev), pre - 1].to(torch.int64)
+        last = rows[torch.arange(B, device=dev), pre - 1].to(torch.int64)
         n = sum(ext)
         out = torch.empty(n, dtype=torch.int64, device=dev)
         return (lambda a: partial(a.alloc_extend, pre, pre_cpu, seq, seq_cpu, last, n),
                 partial(floor, pre, pre_cpu, seq, seq_cpu, last, out))
 
-    def _op_alloc_extend_swa_tail(self, floor):
+    def _op_alloc_extend_swa_tail(self, floor, rows):
         B, ps, dev = self.batch, self.page_size, self.device
         calls, floor_calls = [], []
         for j in range(B):
@@ -194,36 +211,35 @@ class _Case:
 
         return on, lambda: [floor(*c) for c in floor_calls]
 
-    def _segments(self, aligned: bool):
+    def _segments(self, rows, aligned: bool):
         ps = self.page_size
         parts = []
         for j, (p, e) in enumerate(zip(self.pre, self.evicted)):
             end = (p // ps) * ps if aligned else p
             if end > e:
-                parts.append(self.req_to_token[j, e:end])
+                parts.append(rows[j, e:end])
         if not parts:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return torch.cat(parts).to(torch.int64)
 
-    def _op_free_segment(self, floor):
-        idx = self._segments(aligned=True)
+    def _op_free_segment(self, floor, rows):
+        idx = self._segments(rows, aligned=True)
         out = torch.empty(0, dtype=torch.int64, device=self.device)
         return lambda a: partial(a.free_segment, idx, start_pos=0), partial(floor, idx, out)
 
-    def _op_free(self, floor):
-        idx = self._segments(aligned=False)
+    def _op_free(self, floor, rows):
+        idx = self._segments(rows, aligned=False)
         out = torch.empty(0, dtype=torch.int64, device=self.device)
         return lambda a: partial(a.free, idx), partial(floor, idx, out)
 
-    def _op_evict_out_of_window(self, floor):
-        r2t = self.req_to_token
+    def _op_evict_out_of_window(self, floor, r2t):
         rows = torch.arange(self.batch, dtype=torch.int64)
         pre = _i64(self.pre)
         evicted = _i64(self.evicted)
         out = torch.empty(self.batch, dtype=torch.int64)
 
         def on(alloc):
-            if alloc is self.native or alloc is self.allocs.get("shared"):  # the batched native call
+            if any(alloc is self.allocs.get(impl) for impl in ("native", "shared", "parents")):  # the batched native call
                 return partial(decode.evict_out_of_window, alloc, r2t, rows, pre, evicted, WINDOW)
             # The references: SGLang's scheduler loop, one free_swa_segment per due request.
             return partial(evict_per_request, alloc, r2t, rows, pre, evicted, WINDOW, self.page_size)

@@ -206,8 +206,9 @@ def _row(device, op, B, ps, n, times, mismatches, flush) -> dict:
     row["speedup_vs_baseline"] = row["baseline_median_us"] / row["native_median_us"]
     row["speedup_vs_sglang"] = row["sglang_median_us"] / row["native_median_us"] if sglang else None
     row["ratio_to_floor"] = row["native_median_us"] / row["floor_median_us"]
-    shared = row["shared_median_us"]
-    row["shared_vs_default"] = None if shared is None else shared / row["native_median_us"]
+    for mode in ("shared", "parents"):  # the shared mode, and on parent pages, against the default mode
+        median = row[f"{mode}_median_us"]
+        row[f"{mode}_vs_default"] = None if median is None else median / row["native_median_us"]
     return row
 
 
@@ -219,7 +220,8 @@ def _progress(r) -> str:
             + ", ".join(f"{impl} {_fmt_us(r[f'{impl}_median_us'])} µs" for impl in impls)
             + " (" + ", ".join(f"{_fmt_ratio(r[f'speedup_vs_{ref}'])} vs {ref}" for ref in refs)
             + f", {_fmt_ratio(r['ratio_to_floor'])} vs floor"
-            + ("" if r["shared_vs_default"] is None else f", shared {r['shared_vs_default']:.2f}x default")
+            + "".join(f", {mode} {r[f'{mode}_vs_default']:.2f}x default" for mode in ("shared", "parents")
+                      if r[f"{mode}_vs_default"] is not None)
             + f", {r['iters']} iters)"
             + "".join(f"  {ref.upper()} DIFFERS: {r[f'{ref}_mismatch']}" for ref in refs if r[f"{ref}_mismatch"]))
 

@@ -173,8 +173,8 @@ inline bool reservation_fits(const Reservation& r, const PoolRoom& full, const P
   for (const auto& [pages, tokens, pool] : {std::tuple{full_pages, r.full_evictable_tokens, full},
                                             std::tuple{swa_pages, r.swa_evictable_tokens, swa}}) {
     const Wide back = page.page(tokens), own = Wide{pages} - pool.free_children;  // beyond its free children
-    needed += parents_for(own - back, pool.pages_per_parent, 0);
-    if (back > own) room += (back - (own > 0 ? own : 0)) / pool.pages_per_parent;
+    if (own > back) needed += parents_for(own - back, pool.pages_per_parent, 0);
+    else room += (back - (own > 0 ? own : 0)) / pool.pages_per_parent;  // its demand met, the rest whole parents
   }
   return needed <= room;
 }

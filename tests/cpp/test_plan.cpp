@@ -115,6 +115,10 @@ TEST(Plan, ReservationPricesWholePagesAndTheEvictablePagesOfEachSide) {
   EXPECT_FALSE(fits({48, 17, 0, 0, false, false}, true));
   EXPECT_TRUE(fits({48, 17, 15, 16, false, false}, true));
   EXPECT_FALSE(fits({48, 17, 15, 15, false, false}, true));  // whole pages of each side: 0 + 0
+  // A side's evictable pages beyond its own demand count once: the full side's one page
+  // (16 tokens) and none of its demand leave 5 pages for the SWA side, not 6.
+  EXPECT_TRUE(fits({0, 80, 16, 0, false, false}, true));
+  EXPECT_FALSE(fits({0, 81, 16, 0, false, false}, true));
   // The empty pool: every page, nothing evictable; the slack is a token.
   EXPECT_TRUE(fits({64, 64, 0, 0, true, false}, true));
   EXPECT_FALSE(fits({64, 64, 0, 0, true, true}, true));
