@@ -116,6 +116,17 @@ SEAMS = (
      "enable_memory_saver, kwargs"),
     ("sglang.srt.mem_cache.swa_memory_pool", "SWAKVPool.get_kv_size_bytes", "self"),
     ("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool._create_buffers_normal", "self"),
+    # shared_pool.py: the one storage's views in SGLang's MHA pools, and what refuses them.
+    *(("sglang.srt.mem_cache.memory_pool", f"MHATokenToKVPool.{name}", "self")
+      for name in ("_build_kv_buffer_descs", "_init_data_ptrs_and_strides")),
+    ("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool._finalize_allocation_log", "self, num_tokens"),
+    *(("sglang.srt.mem_cache.memory_pool", f"MHATokenToKVPool().{name}", None) for name in (
+        "use_native_move_kv_cache", "kv_cache_layout", "head_num", "head_dim", "v_head_dim")),
+    *(("sglang.srt.mem_cache.memory_pool", f"KVCache().{name}", None) for name in (
+        "store_dtype", "memory_saver_adapter", "custom_mem_pool", "enable_custom_mem_pool")),
+    ("sglang.srt.constants", "GPU_MEMORY_TYPE_KV_CACHE", None),
+    (_RUNTIME, "get_disagg", ""),
+    (_CONFIGURATOR, "KVCacheConfigurator().kv_cache_dtype", None),
     # shared_pool.py: a draft model's KV in the one budget: which drafts SGLang prices per
     # full token, the draft layers it prices, the draft's shape.
     (_RUNTIME, "get_spec", ""),

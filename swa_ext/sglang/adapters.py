@@ -25,6 +25,10 @@ class _AdapterMeta(type(_C.PoolAllocator), abc.ABCMeta):
 class _SGLangPool:
     """SGLang's attributes of one page pool that swa_ext's native class does not hold."""
 
+    # The side's pages a free page of the native list holds: parent_k on the shared mode's
+    # small side at parent_k > 1, whose list holds parents (SWATokenToKVPoolAllocator sets it).
+    _pages_a_parent = 1
+
     def _init_sglang_side(self):
         self.debug_mode = get_bool_env_var("SGLANG_DEBUG_MEMORY_POOL")
 
@@ -35,8 +39,14 @@ class _SGLangPool:
         return pool
 
     def get_all_free_pages(self):
-        """The free and the staged pages (SGLang's leak checker reads them)."""
-        return torch.cat((self.free_pages, self.release_pages))
+        """The free and the staged pages, in this side's page ids (SGLang's leak checker and
+        KV page checks read them): on the shared mode's small side at parent_k > 1 the child
+        pages of the free and staged parents. Its partly used parents' free child pages, which
+        the native store does not list, are not among them: SGLang looks for pages in use
+        that are also free, which fewer free pages never report wrongly."""
+        parents = torch.cat((self.free_pages, self.release_pages))
+        k = self._pages_a_parent
+        return (parents[:, None] * k + torch.arange(k, device=parents.device)).flatten()
 
     def resize(self, config):
         """SGLang's post-capture KV sizing: the pool cleared at ``config.max_total_num_tokens``."""
@@ -74,14 +84,21 @@ class SWATokenToKVPoolAllocator(allocator.SWATokenToKVPoolAllocator, sglang_swa.
     # SGLang's leak checker reads the sub-allocators when the hybrid has no free list.
     free_pages = None
     release_pages = None
-    _shared = False  # swa_ext's shared mode (one free list for both sides): swa_ext.sglang.shared
 
     def __init__(self, size, size_swa, page_size, dtype, device, kvcache, need_sort, req_to_token_pool=None):
         allocator.SWATokenToKVPoolAllocator.__init__(self, size, size_swa, page_size, dtype, device, kvcache,
-                                                     need_sort, shared=self._shared)
+                                                     need_sort, **self._page_layout(kvcache))
+        small_side = self.full_attn_allocator if self.small_side == "full" else self.swa_attn_allocator
+        small_side._pages_a_parent = self.parent_k
         # SGLang's inherited hooks read these; swa_ext never serves the per-request ring.
         self._req_to_token_pool = req_to_token_pool
         self._swa_ring_cost = 0
+
+    @staticmethod
+    def _page_layout(kvcache):
+        """The native store's pages for SGLang's KV pool ``kvcache``: two pools, the default
+        mode (swa_ext.sglang.shared lays them out as its KV pool's parent pages)."""
+        return {}
 
     def resize(self, config):
         """SGLang's post-capture KV sizing: both pools cleared at the config's sizes, the

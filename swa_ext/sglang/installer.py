@@ -88,7 +88,8 @@ def _swa_builder(lockstep, shared, mode):
             raise SharedModeRefused(reason)
         if shared:
             return _serve(sglang_swa.SWATokenToKVPoolAllocator, hybrid, None, args, {},
-                          lambda a: f"one budget of {a.size} tokens for full and SWA pages, shared mode "
+                          lambda a: f"one budget for full and SWA pages: {a.size_full} full or {a.size_swa} SWA "
+                                    f"slots, parent_k {a.parent_k} (small side {a.small_side}), shared mode "
                                     f"(kernels {a.kernels})", mode)
         return _serve(sglang_swa.SWATokenToKVPoolAllocator, hybrid, reason, args, {},
                       lambda a: f"a full pool of {a.size_full} tokens and an SWA pool of {a.size_swa} tokens "

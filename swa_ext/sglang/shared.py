@@ -35,12 +35,19 @@ def _on_a_pd_decode_node():
 
 
 class SharedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
-    """swa_ext's hybrid allocator in its shared mode (``size == size_swa``: one slot index
-    space, one free list), as SGLang's ``SWATokenToKVPoolAllocator``, with the scheduler's
-    capacity gates priced against the one budget by the native ``reservation_fits``: a
-    demand of ``f`` full and ``s`` SWA tokens takes ceil(f / page) + ceil(s / page) pages."""
+    """swa_ext's hybrid allocator in its shared mode (one free list of parent pages, laid out
+    as its KV pool's storage: SPEC.md 8.1; at ``parent_k`` 1 ``size == size_swa``, one slot
+    index space), as SGLang's ``SWATokenToKVPoolAllocator``, with the scheduler's capacity
+    gates priced against the one budget by the native ``reservation_fits``: a demand of
+    ``f`` full and ``s`` SWA tokens takes the parents of ceil(f / page) full and
+    ceil(s / page) SWA pages."""
 
-    _shared = True
+    @staticmethod
+    def _page_layout(kvcache):
+        """One list of parent pages, as the KV pool lays out its one storage
+        (shared_pool.SharedSWAKVPool): ``parent_k`` pages of its ``small_side`` or one page
+        of the other side to a parent."""
+        return {"shared": True, "parent_k": kvcache.parent_k, "small_side": kvcache.small_side}
 
     def _reclaim(self, tree_cache, full_tokens, swa_tokens):
         """Evicts from the tree cache until ``full_tokens`` and ``swa_tokens`` fit or nothing
@@ -157,12 +164,16 @@ class SlotKindCollision(RuntimeError):
 
 
 def check_slot_kinds(batch):
-    """Whether every slot of the shared mode's one slot space holds one kind of KV, as the
+    """Whether every slot of the shared mode's one storage holds one kind of KV, as the
     engine sees it before a step allocates: the SWA slots in use (the mapping's entries)
-    are distinct and none is a full slot in use (one the mapping maps from, or one of a
-    batch request's rows in req_to_token). Raises ``SlotKindCollision`` naming the slots.
-    O(slots): a debugging check (SWA_EXT_DEBUG=1), run by the scheduler hook each step."""
-    mapping = batch.token_to_kv_pool_allocator.full_to_swa_index_mapping.cpu()
+    are distinct and none is in use as a full slot (one the mapping maps from, or one of a
+    batch request's rows in req_to_token). At ``parent_k`` k > 1 a large-side slot ``j``
+    shares its bytes with small-side slots ``j * k .. j * k + k - 1`` (shared_pool's
+    layout), so a slot is in use as a full slot where its bytes are. Raises
+    ``SlotKindCollision`` naming the SWA slots. O(slots): a debugging check
+    (SWA_EXT_DEBUG=1), run by the scheduler hook each step."""
+    alloc = batch.token_to_kv_pool_allocator
+    mapping = alloc.full_to_swa_index_mapping.cpu()
     held = mapping > 0
     swa_slots = mapping[held]
     rows = [batch.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :req.kv.kv_allocated_len].cpu()
@@ -170,7 +181,10 @@ def check_slot_kinds(batch):
     full_slots = torch.cat([held.nonzero().flatten()] + rows)
     unique, counts = swa_slots.unique(return_counts=True)
     twice = unique[counts > 1]
-    both = swa_slots[torch.isin(swa_slots, full_slots)].unique()
+    # Each side's slots as the large side's slots whose bytes they take.
+    k = alloc.parent_k
+    full_bytes, swa_bytes = (full_slots // k, swa_slots) if alloc.small_side == "full" else (full_slots, swa_slots // k)
+    both = swa_slots[torch.isin(swa_bytes, full_bytes)].unique()
     if twice.numel() or both.numel():
         raise SlotKindCollision(
             f"swa_ext: slots hold two kinds of KV at once (SWA_EXT_DEBUG=1): SWA slots in use as full slots "

@@ -87,9 +87,11 @@ def twelve_pair_model(tmp_path_factory):
 
 class RecordingSWAKVCache:
     """Stands for SGLang's SWAKVPool in allocator tests: the mapping registration and
-    translation, the two sub-pools, and a record of the CPU-copy calls it is handed."""
+    translation, the two sub-pools, a record of the CPU-copy calls it is handed, and the
+    parent pages the shared mode's pool lays out (``parent_k`` pages of ``small_side`` or
+    one of the other side: shared_pool.SharedSWAKVPool's)."""
 
-    def __new__(cls, swa_req_ring_size=None):
+    def __new__(cls, swa_req_ring_size=None, parent_k=1, small_side="full"):
         from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
 
         class Recording(BaseSWAKVPool):
@@ -115,6 +117,7 @@ class RecordingSWAKVCache:
         Recording.__abstractmethods__ = frozenset()  # the KV buffers are not needed here
         cache = object.__new__(Recording)
         cache.registered, cache.calls, cache.swa_req_ring_size = [], [], swa_req_ring_size
+        cache.parent_k, cache.small_side = parent_k, small_side
         return cache
 
 

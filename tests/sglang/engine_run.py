@@ -1,10 +1,11 @@
 """One SGLang offline Engine run on the CPU, for tests/sglang/test_engine.py.
 
 Run as a script in its own process (SWA_EXT_SGLANG and SGLang's checks are read at
-start-up): ``python engine_run.py MODEL_DIR RESULT_JSON PAGE_SIZE MAX_TOTAL_TOKENS SWA_RATIO [ATTENTION_BACKEND [WORKLOAD]]``
-(SWA_RATIO ``default`` leaves SGLang's swa_full_tokens_ratio; the backend is triton unless
+start-up): ``python engine_run.py MODEL_DIR RESULT_JSON PAGE_SIZE MAX_TOTAL_TOKENS SWA_RATIO [ATTENTION_BACKEND [WORKLOAD
+[LOAD_FORMAT]]]`` (SWA_RATIO ``default`` leaves SGLang's swa_full_tokens_ratio; the backend is triton unless
 given; WORKLOAD ``short``, for a model of many layers, keeps the first two requests of each
-round and fewer new tokens, still past the window and with radix hits).
+round and fewer new tokens, still past the window and with radix hits; LOAD_FORMAT ``dummy``:
+SGLang's random weights, from the model's config alone).
 Two rounds of greedy generation; the second round's prompts share long prefixes with
 the first's, so the radix cache hits. Writes the output ids and cached-token counts.
 """
@@ -30,10 +31,10 @@ def prompts(round_index):
 
 
 def main(model_dir, result_path, page_size, max_total_tokens, swa_ratio, attention_backend="triton",
-         workload="full"):
+         workload="full", load_format="auto"):
     ratio = {} if swa_ratio == "default" else {"swa_full_tokens_ratio": float(swa_ratio)}
     engine = offline_engine(model_dir, page_size=page_size, max_total_tokens=max_total_tokens, **ratio,
-                            attention_backend=attention_backend)
+                            attention_backend=attention_backend, load_format=load_format)
     rounds = []
     try:
         for r, new_tokens in enumerate(NEW_TOKENS[workload]):
@@ -48,4 +49,4 @@ def main(model_dir, result_path, page_size, max_total_tokens, swa_ratio, attenti
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:8])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:9])

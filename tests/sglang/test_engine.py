@@ -24,17 +24,19 @@ DEFAULT_POOL = (8192, "default")  # (max_total_tokens, swa_full_tokens_ratio)
 TIGHT_POOL = (400, "1.0")
 
 
-def run_engine(model, page_size, pool, mode, fault=None, workload="full"):
+def run_engine(model, page_size, pool, mode, fault=None, workload="full", dummy_weights=None):
     """One engine run: its results, log, lockstep counts and wall time. ``fault`` plants a
     KV fault (tests/sglang/kv_check: ``SWA_EXT_TEST_KV_FAULT``) so that a test shows its
     comparison can fail. The shared mode runs with SWA_EXT_DEBUG=1: each step checks that
-    no slot holds two kinds of KV. ``workload``: engine_run.py's. Run once a session for
-    each set of arguments, however a caller spells them."""
-    return _run_engine(model, page_size, pool, mode, fault, workload)
+    no slot holds two kinds of KV. ``workload``: engine_run.py's. ``dummy_weights``: the
+    model from its config alone, SGLang's dummy weights widened to that range
+    (tests/sglang/kv_check). Run once a session for each set of arguments, however a
+    caller spells them."""
+    return _run_engine(model, page_size, pool, mode, fault, workload, dummy_weights)
 
 
 @functools.lru_cache(maxsize=None)
-def _run_engine(model, page_size, pool, mode, fault, workload):
+def _run_engine(model, page_size, pool, mode, fault, workload, dummy_weights):
     out_dir = os.path.join(os.path.dirname(model), f"run-{page_size}-{pool[0]}-{mode}-{workload}" +
                            (f"-{fault}" if fault else ""))
     os.makedirs(out_dir, exist_ok=True)
@@ -47,15 +49,19 @@ def _run_engine(model, page_size, pool, mode, fault, workload):
                SGLANG_SWA_EVICTION_INTERVAL="8",
                PYTHONPATH=os.pathsep.join([STUBS, KV_CHECK] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                                if p]))
-    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SWA_EXT_DEBUG", "SWA_EXT_TEST_KV_FAULT"):
+    for name in ("SWA_EXT_SGLANG", "SWA_EXT_SHARED", "SWA_EXT_DEBUG", "SWA_EXT_TEST_KV_FAULT",
+                 "SWA_EXT_TEST_DUMMY_WEIGHTS"):
         env.pop(name, None)
     env.update(allocator_variables(mode))
     if mode == "shared":
         env["SWA_EXT_DEBUG"] = "1"
     if fault:
         env["SWA_EXT_TEST_KV_FAULT"] = fault
+    if dummy_weights is not None:
+        env["SWA_EXT_TEST_DUMMY_WEIGHTS"] = str(dummy_weights)
     proc, log, counts, wall = run_script([os.path.join(HERE, "engine_run.py"), model, result, str(page_size),
-                                          str(pool[0]), pool[1], "triton", workload], env, out_dir, report)
+                                          str(pool[0]), pool[1], "triton", workload,
+                                          "auto" if dummy_weights is None else "dummy"], env, out_dir, report)
     assert proc.returncode == 0 and os.path.exists(result), f"engine run failed ({mode}):\n{log[-6000:]}"
     with open(result) as f:
         rounds = json.load(f)["rounds"]

@@ -233,7 +233,7 @@ def test_the_reference_finder_sees_what_a_new_use_would_add():
 SUBCLASSES = [adapter.SWATokenToKVPoolAllocator, adapter.PagedTokenToKVPoolAllocator, adapter.TokenToKVPoolAllocator,
               adapter.LockstepSWATokenToKVPoolAllocator, adapter.LockstepPagedTokenToKVPoolAllocator,
               adapter.LockstepTokenToKVPoolAllocator, shared.SharedSWATokenToKVPoolAllocator,
-              shared_pool.SharedSWAKVPool, shared_pool._BorrowedStorageMHAPool, lockstep._ShadowKVCache]
+              shared_pool.SharedSWAKVPool, shared_pool._KVViewPool, lockstep._ShadowKVCache]
 
 
 @pytest.mark.parametrize("ours", SUBCLASSES, ids=lambda c: c.__name__)
@@ -342,12 +342,19 @@ def test_a_successful_install_is_undone_by_uninstall(environment):
      "page size 16, on cpu (SWA_EXT_SGLANG=1, SGLang 0.5.23)"),
     ("shared", lambda: kv_cache_configurator.SWATokenToKVPoolAllocator(256, 256, 16, torch.float16, "cpu",
                                                                         RecordingSWAKVCache(), False),
-     "SharedSWATokenToKVPoolAllocator serves one budget of 256 tokens for full and SWA pages, shared mode "
-     "(kernels cpu), page size 16, on cpu (SWA_EXT_SGLANG=shared, SGLang 0.5.23)"),
+     "SharedSWATokenToKVPoolAllocator serves one budget for full and SWA pages: 256 full or 256 SWA slots, "
+     "parent_k 1 (small side full), shared mode (kernels cpu), page size 16, on cpu (SWA_EXT_SGLANG=shared, "
+     "SGLang 0.5.23)"),
+    # A KV pool of parent pages of 3 full pages or one SWA page: the allocator takes its layout.
+    ("shared", lambda: kv_cache_configurator.SWATokenToKVPoolAllocator(768, 256, 16, torch.float16, "cpu",
+                                                                        RecordingSWAKVCache(parent_k=3), False),
+     "SharedSWATokenToKVPoolAllocator serves one budget for full and SWA pages: 768 full or 256 SWA slots, "
+     "parent_k 3 (small side full), shared mode (kernels cpu), page size 16, on cpu (SWA_EXT_SGLANG=shared, "
+     "SGLang 0.5.23)"),
     ("all", lambda: kv_cache_configurator.PagedTokenToKVPoolAllocator(256, 16, torch.float16, "cpu", None, False),
      "PagedTokenToKVPoolAllocator serves one pool of 256 tokens, page size 16, on cpu (SWA_EXT_SGLANG=all, "
      "SGLang 0.5.23)"),
-], ids=["1", "shared", "all"])
+], ids=["1", "shared", "shared-parent-pages", "all"])
 def test_the_served_line_names_mode_allocator_pools_page_size_and_sglang(environment, caplog, mode, build, says):
     environment.setenv("SWA_EXT_SGLANG", mode)
     sglang_plugin.plugin()

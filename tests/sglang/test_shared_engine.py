@@ -10,7 +10,10 @@ on the CPU, SGLang's strict memory and KV-page checks on, each run its own proce
 - NGRAM speculative decoding (tests/sglang/spec_engine_run.py, a pool that makes requests
   wait): SGLang's outputs and verify counts;
 - a draft model, its KV at every slot of the one budget: EAGLE3 on the tiny gpt-oss
-  (with --slow, STANDALONE on the tiny Granite-SWA): SGLang's outputs, no out of memory.
+  (with --slow, STANDALONE on the tiny Granite-SWA): SGLang's outputs, no out of memory;
+- a non-1:1 layer mix on parent pages: the tiny gpt-oss with 3 sliding layers to 1 full
+  (parent pages of 3 full pages or one SWA page, the SWA layers strided views of the one
+  storage): SGLang's outputs, no out of memory.
 """
 import json
 import os
@@ -22,7 +25,8 @@ import capacity_run
 from conftest import TINY_PAIRS, model_config, write_checkpoint
 import pd_harness
 from test_engine import DEFAULT_POOL, run_engines, run_script, swa_ext_lines
-from test_spec_engine import draft_model, gpt_oss_models, run_spec_engine  # noqa: F401 (fixtures)
+from test_spec_engine import GPT_OSS_CONFIG, draft_model, gpt_oss_models, run_spec_engine  # noqa: F401 (fixtures)
+from swa_ext.sglang import shared_pool
 from swa_ext.sglang.installer import REFUSED_EXIT_STATUS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,6 +37,8 @@ SGLANG_SIZES = re.compile(r"full_layer_tokens=(\d+), swa_layer_tokens=(\d+)")
 DRAFT_SHARE = re.compile(r"and a draft model's KV at the (\d+) full tokens; the draft's KV covers every slot: (\d+) of "
                          r"(\d+) KV rows a slot, ([\d.]+)% of the budget")
 KV_POOL_TOKENS = re.compile(r"KV Cache is allocated\. .*?#tokens: (\d+)")
+PARENT_PAGES = re.compile(r"; parent pages of (\d+) full pages or one SWA page \(KV entries of (\d+) and (\d+) bytes a "
+                          r"token\): (\d+) full or (\d+) SWA slots")
 
 
 def sizes(log):
@@ -49,8 +55,9 @@ def check_shared_served(log, page_size):
     (full, swa), shared = sizes(log)
     assert shared == (full + swa, full, swa), shared
     served = [line for line in swa_ext_lines(log) if " serves " in line]
-    assert len(served) == 1 and f"SharedSWATokenToKVPoolAllocator serves one budget of {full + swa} tokens for full " \
-        f"and SWA pages, shared mode" in served[0] and f"page size {page_size}" in served[0], served
+    assert len(served) == 1 and f"SharedSWATokenToKVPoolAllocator serves one budget for full and SWA pages: " \
+        f"{full + swa} full or {full + swa} SWA slots, parent_k 1" in served[0] and \
+        f"page size {page_size}" in served[0], served
 
 
 # (pairs of layers, page size): the tiny model (two pairs; its references are test_engine's
@@ -63,19 +70,38 @@ CASES = [(TINY_PAIRS, 16), (TINY_PAIRS, 1), (12, 16)]
 # fault once in CI; --slow adds the two-pair model's view one layer off.
 FAULTS = [("write_row_off", TINY_PAIRS, 16), ("write_row_off", TINY_PAIRS, 1), ("view_layer_off", 12, 16)]
 SLOW_FAULTS = [("view_layer_off", TINY_PAIRS, 16)]
+# A non-1:1 layer mix: test_spec_engine's tiny gpt-oss with 3 sliding layers to 1 full
+# (equal KV rows, so k = 3: a parent is 3 full pages or one SWA page) and a 64-token window
+# (engine_run.py's decodes slide past it), on SGLang's dummy weights widened to
+# +-DUMMY_WEIGHTS; page 16. Its reference, the shared run, and the shared run with an SWA
+# layer's strided view one layer off.
+GPT_OSS_MIX = "gpt-oss 3:1"
+GPT_OSS_MIX_CONFIG = dict(GPT_OSS_CONFIG, sliding_window=64,
+                          layer_types=["sliding_attention"] * 3 + ["full_attention"])
+MIX_RUNS = [(GPT_OSS_MIX, 16, "sglang", None), (GPT_OSS_MIX, 16, "shared", None),
+            (GPT_OSS_MIX, 16, "shared", "view_layer_off")]
+LAYERS = {TINY_PAIRS: 2 * TINY_PAIRS, 12: 24, GPT_OSS_MIX: 4}
 
 
 @pytest.fixture(scope="module")
-def engine_runs(request, tiny_model, twelve_pair_model):
-    """Every run of CASES and FAULTS (SLOW_FAULTS with --slow) and their references, two
-    engines at a time (one a core)."""
-    models = {TINY_PAIRS: tiny_model, 12: twelve_pair_model}
+def gpt_oss_mix_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss_3_sliding_1_full")
+    (path / "config.json").write_text(json.dumps(GPT_OSS_MIX_CONFIG))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engine_runs(request, tiny_model, twelve_pair_model, gpt_oss_mix_model):
+    """Every run of CASES, FAULTS (SLOW_FAULTS with --slow) and MIX_RUNS and their
+    references, two engines at a time (one a core)."""
+    models = {TINY_PAIRS: tiny_model, 12: twelve_pair_model, GPT_OSS_MIX: gpt_oss_mix_model}
     runs = {(pairs, page, mode, None) for pairs, page in CASES for mode in ("sglang", "shared")}
     faults = FAULTS + (SLOW_FAULTS if request.config.getoption("--slow") else [])
     runs |= {(pairs, page, "shared", fault) for fault, pairs, page in faults}
-    order = sorted(runs, key=lambda r: (r[1], -r[0]))  # the longest first
-    results = run_engines([(models[pairs], page, DEFAULT_POOL, mode, fault, "short" if pairs == 12 else "full")
-                           for pairs, page, mode, fault in order])
+    runs |= set(MIX_RUNS)
+    order = sorted(runs, key=lambda r: (r[1], -LAYERS[r[0]], str(r)))  # the longest first
+    results = run_engines([(models[model], page, DEFAULT_POOL, mode, fault, "short" if model == 12 else "full",
+                            DUMMY_WEIGHTS if model == GPT_OSS_MIX else None) for model, page, mode, fault in order])
     return dict(zip(order, results.values()))
 
 
@@ -105,6 +131,36 @@ def test_a_planted_kv_fault_changes_the_outputs(engine_runs, fault, pairs, page_
     faulty, reference = engine_runs[pairs, page_size, "shared", fault], engine_runs[pairs, page_size, "sglang", None]
     differ = differing_tokens(faulty, reference)
     print(f"{fault}, {pairs} pairs, page {page_size}: {differ} tokens differ from SGLang's allocator's")
+    assert differ > 0
+
+
+def test_a_3_to_1_layer_mix_on_parent_pages_gives_sglangs_outputs(engine_runs):
+    """KV entries of one full layer's row and three SWA layers' rows a token: parent pages
+    of 3 full pages or one SWA page, the SWA layers' buffers strided views of the one
+    storage, each side's slots in the bytes SGLang sized for its two pools. Greedy outputs
+    and cached tokens of SGLang's allocator, two rounds with radix hits, decodes past the
+    window, no out of memory, SWA_EXT_DEBUG=1's check of each step; the same run with an
+    SWA layer's view one layer off gives other tokens."""
+    reference, shared, faulty = (engine_runs[run] for run in MIX_RUNS)
+    assert shared["rounds"] == reference["rounds"]
+    assert any(o["cached_tokens"] > 0 for o in shared["rounds"][1])  # the radix cache hit
+    assert "out of memory" not in shared["log"].lower() and SLOT_KINDS_CHECKED in shared["log"]
+    (full, swa), (slots, sized_full, sized_swa) = sizes(shared["log"])
+    assert (full, swa) == (sized_full, sized_swa) == sizes(reference["log"])[0]
+    (k, full_entry, swa_entry, full_slots, swa_slots), = [tuple(map(int, m)) for m in PARENT_PAGES.findall(shared["log"])]
+    layer_types = GPT_OSS_MIX_CONFIG["layer_types"]
+    assert swa_entry == full_entry * layer_types.count("sliding_attention") // layer_types.count("full_attention")
+    assert (full_slots, swa_slots, k) == shared_pool.one_budget_sizes(full, swa, full_entry=full_entry,
+                                                                      swa_entry=swa_entry, draft_entry=0, page_size=16)
+    assert k == -(-layer_types.count("sliding_attention") // layer_types.count("full_attention")) > 1
+    assert slots == full_slots
+    served = [line for line in swa_ext_lines(shared["log"]) if " serves " in line]
+    assert len(served) == 1 and f"serves one budget for full and SWA pages: {full_slots} full or {swa_slots} SWA " \
+        f"slots, parent_k {k} (small side full)" in served[0], served
+    assert "the large side's layers are strided views" in shared["log"]
+    differ = differing_tokens(faulty, reference)
+    print(f"view_layer_off, gpt-oss 3:1, page 16: {differ} of "
+          f"{sum(len(o['output_ids']) for r in reference['rounds'] for o in r)} tokens differ from SGLang's allocator's")
     assert differ > 0
 
 
@@ -260,7 +316,8 @@ def test_a_draft_model_in_the_shared_mode(tiny_model, draft_model, gpt_oss_model
     assert slots % 16 == 0 and slots * (pairs + draft_layers) <= sglang_rows < (slots + 16) * (pairs + draft_layers)
     assert slots < full + swa  # the draft's rows at the SWA side's slots come out of the one budget
     served = [line for line in swa_ext_lines(shared.log) if " serves " in line]
-    assert len(served) == 1 and f"serves one budget of {slots} tokens" in served[0], served
+    assert len(served) == 1 and f"serves one budget for full and SWA pages: {slots} full or {slots} SWA slots" \
+        in served[0], served
     # Every KV pool SGLang built, the draft's included, spans the one slot space; SGLang's
     # own run builds the draft's at its full token count.
     assert set(map(int, KV_POOL_TOKENS.findall(shared.log))) == {slots}, KV_POOL_TOKENS.findall(shared.log)

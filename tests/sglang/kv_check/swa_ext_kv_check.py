@@ -12,8 +12,8 @@ tests' checkpoints do (tests/sglang/conftest.py).
 shows its comparison of outputs can fail:
   ``write_row_off``: every SWA-layer KV write lands one slot further on (the last row's
   one slot back);
-  ``view_layer_off``: SWA layer i's view is over full layer i + 1's buffers (the last
-  over the last), so two SWA layers write one buffer.
+  ``view_layer_off``: SWA layer i's views are SWA layer i + 1's in the one storage (the last
+  the last's), so two SWA layers write one buffer.
 """
 import os
 
@@ -40,20 +40,20 @@ def _plant(fault):
     from swa_ext.sglang import shared_pool
 
     if fault == "view_layer_off":
-        build_view = shared_pool.SharedSWAKVPool._swa_layers_view
+        lay_out_storage = shared_pool.SharedSWAKVPool._lay_out_storage
 
-        def shifted_view(self, **kwargs):
-            view = build_view(self, **kwargs)
-            last = len(view.k_buffer) - 1
+        def shifted_views(self):
+            lay_out_storage(self)
+            swa = self._sides["swa"]
+            last = len(swa.k_buffer) - 1
             if last < 1:
                 raise RuntimeError(f"{FAULT_VARIABLE}=view_layer_off needs two SWA layers or more")
             # A rotation of whole layers would still give each SWA layer a buffer of its own
             # (harmless); one layer off, the last two SWA layers share the last buffer.
-            view.k_buffer = [view.k_buffer[min(i + 1, last)] for i in range(last + 1)]
-            view.v_buffer = [view.v_buffer[min(i + 1, last)] for i in range(last + 1)]
-            return view
+            swa.adopt([swa.k_buffer[min(i + 1, last)] for i in range(last + 1)],
+                      [swa.v_buffer[min(i + 1, last)] for i in range(last + 1)])
 
-        shared_pool.SharedSWAKVPool._swa_layers_view = shifted_view
+        shared_pool.SharedSWAKVPool._lay_out_storage = shifted_views
     else:
         def set_one_row_off(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
             if self.layers_mapping[layer.layer_id][1]:
