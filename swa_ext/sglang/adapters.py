@@ -88,8 +88,8 @@ class SWATokenToKVPoolAllocator(allocator.SWATokenToKVPoolAllocator, sglang_swa.
     def __init__(self, size, size_swa, page_size, dtype, device, kvcache, need_sort, req_to_token_pool=None):
         allocator.SWATokenToKVPoolAllocator.__init__(self, size, size_swa, page_size, dtype, device, kvcache,
                                                      need_sort, **self._page_layout(kvcache))
-        small_side = self.full_attn_allocator if self.small_side == "full" else self.swa_attn_allocator
-        small_side._pages_a_parent = self.parent_k
+        small_pool = self.full_attn_allocator if self.small_side == "full" else self.swa_attn_allocator
+        small_pool._pages_a_parent = self.parent_k
         # SGLang's inherited hooks read these; swa_ext never serves the per-request ring.
         self._req_to_token_pool = req_to_token_pool
         self._swa_ring_cost = 0
