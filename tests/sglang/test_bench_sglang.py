@@ -74,8 +74,8 @@ def test_the_command_measures_sglang_with_cold_caches_and_reports_it(tmp_path, c
         assert r["sglang_measured"] and r["sglang_results_match"] and r["flush_cache_mb"] == 1, r
         assert r["speedup_vs_sglang"] == pytest.approx(r["sglang_median_us"] / r["native_median_us"])
     header = [c.strip() for c in md.read_text().splitlines()[2].strip("|").split("|")]
-    assert header[4:13] == ["native µs", "shared µs", "baseline µs", "sglang µs", "floor µs", "vs baseline",
-                            "vs sglang", "vs floor", "shared/default"], header
+    assert header[4:15] == ["native µs", "shared µs", "parents µs", "baseline µs", "sglang µs", "floor µs",
+                            "vs baseline", "vs sglang", "vs floor", "shared/default", "parents/default"], header
 
 
 def test_no_sglang_leaves_it_out(tmp_path, capsys):
@@ -162,7 +162,9 @@ def test_goals_follow_the_measured_ratios():
         "cpu free_segment B>=256: >= 30x vs baseline": ("free_segment", "speedup_vs_baseline"),
         "cpu evict_out_of_window B>=256: >= 30x vs baseline": ("evict_out_of_window", "speedup_vs_baseline"),
     }
-    assert sorted(gs) == sorted(list(expected) + ["cpu: shared mode <= 1.1x default", "every cell: >= 1x vs baseline"])
+    assert sorted(gs) == sorted(list(expected) + ["cpu: shared mode <= 1.1x default",
+                                                "cpu: parent pages (k 3) <= 1.1x default",
+                                                "every cell: >= 1x vs baseline"])
     for name, (op, ratio) in expected.items():
         g = gs[name]
         assert g["value"] == by_op[op][ratio]
