@@ -47,6 +47,13 @@ PROBLEM = re.compile(r"error|exception|traceback|leak|crash|fail|timed out|timeo
                      re.IGNORECASE)
 
 
+# The pair's requests (test_pd_pair.py's checks, sent first on the deployment at page 16):
+# every prompt longer than the 64-token window, up to eight windows.
+PAIR_PROMPT_LENS = (72, 150, 260, 390, 520)
+PAIR_PROMPTS = [[(11 * i + 5 * j + j * j % 13) % 500 + 3 for j in range(n)] for i, n in enumerate(PAIR_PROMPT_LENS)]
+PAIR_NEW_TOKENS = 64
+
+
 def prompt(seed, length):
     gen = random.Random(seed)
     return [gen.randrange(3, 500) for _ in range(length)]

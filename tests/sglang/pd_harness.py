@@ -335,10 +335,13 @@ def offline_engine(model, **engine_args):
 
 
 def run_engine(spec, result_path):
-    """One offline engine: ``spec`` holds the engine arguments, the prompts, the new
-    tokens, and for a decode node with the fake transfer the requests' bootstrap
-    fields. Writes each request's output ids."""
+    """One offline engine: ``spec`` holds the engine arguments, the rounds of prompts, the
+    new tokens (one number, or one a round), and for a decode node with the fake transfer
+    the requests' bootstrap fields. Writes each request's output ids."""
     engine = offline_engine(spec["model"], **spec["engine_args"])
+    new_tokens = spec["new_tokens"]
+    if isinstance(new_tokens, int):
+        new_tokens = [new_tokens] * len(spec["rounds"])
     rounds = []
     try:
         for r, prompts in enumerate(spec["rounds"]):
@@ -352,7 +355,7 @@ def run_engine(spec, result_path):
                 extra = {"bootstrap_host": [FAKE_BOOTSTRAP_HOST] * len(prompts), "bootstrap_port": [8998] * len(prompts),
                          "bootstrap_room": [1000 * r + i for i in range(len(prompts))], "rid": rids}
             out = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "ignore_eos": True,
-                                                                      "max_new_tokens": spec["new_tokens"]}, **extra)
+                                                                      "max_new_tokens": new_tokens[r]}, **extra)
             rounds.append([o["output_ids"] for o in out])
         settled_allocator_calls(os.environ["SWA_EXT_PD_PROBE_DIR"])  # before the scheduler is stopped
     finally:

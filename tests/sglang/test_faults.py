@@ -3,7 +3,9 @@ swa_ext (tests/sglang/fault_harness.py): SGLang's router, a prefill node and a d
 on 127.0.0.1, the KV over Mooncake's TCP transport, SGLang's strict memory and KV-page
 checks on, a decode pool small enough that the node retracts requests under load.
 
-One deployment per page size and allocator mode serves every fault in turn: clients that
+One deployment per page size and allocator mode serves, first, test_pd_pair.py's requests
+(a single engine's outputs, the window-tail path, the bytes sent), then every fault in
+turn: clients that
 hang up (waiting for prefill, with their KV in transfer, decoding), SGLang's abort endpoint
 (a running request, a waiting one, all), the prefill node SIGKILLed with requests in
 transfer (then a new one joins), a request longer than the decode pool, and waves of
@@ -282,31 +284,31 @@ FAULTS = [close_waiting, close_in_transfer, close_decoding, abort_running, abort
           too_long, load]
 
 
-# Each page size's references, from one engine each, shared by the modes.
+# Each page size's references, from one engine, shared by the modes and test_shared_pd.py.
 REFERENCES = {}
 
 
 def references(model, page_size, waves):
-    """The check requests' and the load's outputs on one engine at this page size, started
-    in the background the first time (the caller's deployment runs meanwhile): a function
-    that waits for them and returns them, or with ``stop=True`` ends the engines."""
+    """The outputs on one engine at this page size of the check requests, the pair's
+    requests and the load's waves, a round each, started in the background the first time
+    (the caller's deployment runs meanwhile): a function that waits for them and returns
+    them ({"check", "pair", "load"}), or with ``stop=True`` ends the engine."""
     if page_size not in REFERENCES:
         workdir = os.path.join(os.path.dirname(model), f"references-page{page_size}")
         os.makedirs(workdir, exist_ok=True)
-        # The check requests' reference first: it is short, the load's is long.
-        started = [start_reference(model, workdir, page_size, "reference-check", [CHECK], CHECK_NEW),
-                   start_reference(model, workdir, page_size, "reference-load",
-                                   [[p for p, _ in load_wave(size)] for size in waves], LOAD_NEW_TOKENS[1])]
+        rounds = [CHECK, fault_harness.PAIR_PROMPTS] + [[p for p, _ in load_wave(size)] for size in waves]
+        new_tokens = [CHECK_NEW, fault_harness.PAIR_NEW_TOKENS] + [LOAD_NEW_TOKENS[1]] * len(waves)
+        process, result = start_reference(model, workdir, page_size, "reference", rounds, new_tokens)
         outputs = {}
 
         def read(stop=False):
             try:
                 if not stop and not outputs:
-                    outputs.update(check=reference_rounds(*started[0])[0], load=reference_rounds(*started[1]))
+                    check, pair, *load = reference_rounds(process, result)
+                    outputs.update(check=check, pair=pair, load=load)
             finally:
-                for process, _ in started:
-                    process.stop()
-                if not outputs:  # stopped or failed: the next caller starts them again
+                process.stop()
+                if not outputs:  # stopped or failed: the next caller starts it again
                     REFERENCES.pop(page_size, None)
             return outputs
 
@@ -329,20 +331,71 @@ def deployment_params():
 @pytest.fixture(scope="module", params=deployment_params())
 def faults_run(request, tiny_model):
     mode, page_size = request.param
-    workdir = os.path.join(os.path.dirname(tiny_model), f"faults-{mode}-page{page_size}")
+    return deployment_run(request.session, tiny_model, mode, page_size)
+
+
+def pair_groups(page_size, pool_tokens):
+    """The pair's prompts in order, in groups whose full pages through their decoding fit
+    the decode pool: no request of the pair retracts (its checks count each call)."""
+    groups, pages = [[]], 0
+    for i, n in enumerate(fault_harness.PAIR_PROMPT_LENS):
+        need = -(-(n + fault_harness.PAIR_NEW_TOKENS) // page_size)
+        assert need <= pool_tokens // page_size, (n, pool_tokens)
+        if pages + need > pool_tokens // page_size:
+            groups.append([])
+            pages = 0
+        groups[-1].append(i)
+        pages += need
+    return groups
+
+
+def pair_requests(dep):
+    """The pair's requests, first on a fresh deployment, group after group: their outputs,
+    and the decode node's allocator calls, its lockstep counts and the bytes the prefill
+    node sent, before and once they are done."""
+    before = dep.calls()  # the servers' warm-up requests
+    outputs = [None] * len(fault_harness.PAIR_PROMPTS)
+    for group in pair_groups(dep.page_size, dep.decode_tokens):
+        answers = dep.generate([fault_harness.PAIR_PROMPTS[i] for i in group],
+                               [fault_harness.PAIR_NEW_TOKENS] * len(group))
+        for i, answer in zip(group, answers):
+            outputs[i] = answer
+    calls = pd_harness.settled_allocator_calls(dep.pair.decode_probe)
+    return {"outputs": outputs, "before": before, "calls": calls, "sent": pd_harness.sent_bytes(dep.pair.prefill_probe),
+            "lockstep": dep.lockstep_counts() if dep.lockstep else None}
+
+
+_deployment_runs = {}
+
+
+def deployment_run(session, model, mode, page_size):
+    """One deployment through the pair's requests and then every fault (once a session:
+    test_pd_pair.py reads the pair's part of the default mode's at page 16)."""
+    key = (model, mode, page_size)
+    if key not in _deployment_runs:
+        _deployment_runs[key] = run_deployment(session, model, mode, page_size)
+    return _deployment_runs[key]
+
+
+def run_deployment(session, model, mode, page_size):
+    workdir = os.path.join(os.path.dirname(model), f"faults-{mode}-page{page_size}")
     os.makedirs(workdir, exist_ok=True)
     walls, run = {}, {"faults": {}}
     start = time.monotonic()
-    waves = load_waves(request.config)
-    reference = references(tiny_model, page_size, waves)
+    waves = load_waves(session.config)
+    reference = references(model, page_size, waves)
     try:
-        dep = fault_harness.Deployment(tiny_model, workdir, mode, page_size, PREFILL_TOKENS, DECODE_TOKENS,
+        dep = fault_harness.Deployment(model, workdir, mode, page_size, PREFILL_TOKENS, DECODE_TOKENS,
                                        DECODE_ARGS)
         dep.load_waves = waves
-        start_beside_the_deployment(request.session, tiny_model)
+        start_beside_the_deployment(session, model)
         try:
             walls["start"] = round(time.monotonic() - start, 1)
             run["baseline"] = dep.wait_idle(dep.pool_pages())
+            start = time.monotonic()
+            run["pair"] = pair_requests(dep)
+            walls["pair"] = round(time.monotonic() - start, 1)
+            dep.wait_idle(run["baseline"])
             for fault in FAULTS:
                 since, start = len(dep.decode_log()), time.monotonic()
                 record = {}
@@ -366,8 +419,10 @@ def faults_run(request, tiny_model):
             run["calls"] = dep.calls()
             run["decode_log"] = dep.decode_log()
             run["evict_steps"] = dep.evict_steps()
+            run["logs"] = dep.pair.logs()
         finally:
             dep.stop()
+        run["stopped_logs"] = dep.pair.logs()
     except BaseException:
         reference(stop=True)
         raise
@@ -501,23 +556,18 @@ _started_beside = []
 def start_beside_the_deployment(session, model):
     """The first fault deployment's faults mostly wait (for disconnects, transfers, a
     restarted prefill node), leaving a core idle: the NGRAM runs of the selected mid-verify
-    tests and, where its tests are selected, test_pd_pair.py's pair run meanwhile, one after
-    the other (pd_harness.run_beside; their tests join before reading them)."""
+    tests meanwhile, one after the other (pd_harness.run_beside; their test joins before
+    reading them)."""
     if _started_beside:
         return
     _started_beside.append(True)
     selected = [item for item in session.items if not item.get_closest_marker("skip")]
     mid_verify = [item.callspec.params for item in selected
                   if item.originalname == "test_abort_in_mid_verify_with_ngram_and_eviction_every_step"]
-    pair = any(item.module.__name__ == "test_pd_pair" for item in selected)
 
     def work():
         for params in mid_verify:
             mid_verify_run(model, params["mode"], params["page_size"])
-        if pair:
-            import test_pd_pair
-
-            test_pd_pair.pair_results(model)
 
     pd_harness.run_beside(work)
 

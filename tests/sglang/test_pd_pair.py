@@ -1,7 +1,9 @@
 """A real prefill/decode deployment of SGLang on the CPU, the decode node on swa_ext: two
 ``python -m sglang.launch_server`` nodes on 127.0.0.1 (prefill, and decode with
 SWA_EXT_SGLANG=lockstep) passing the KV over Mooncake's TCP transport, SGLang's router
-in front (tests/sglang/pd_harness.py starts them, and always ends them).
+in front: test_faults.py's deployment in the default mode at page 16, which serves these
+requests first, before its faults (fault_harness.PAIR_PROMPTS, in groups the decode pool
+holds through their decoding).
 
 The greedy outputs must be those of one non-disaggregated engine given the same
 prompts: every prompt token's KV crossed the wire intact, into the pages swa_ext
@@ -10,14 +12,9 @@ allocator (a difference stops the node). The probe plugin (tests/sglang/pd_probe
 measures the bytes the prefill node handed to the transfer engine: for the SWA layers,
 only each prompt's window tail.
 """
-import functools
-import json
-import os
-import sys
-import time
-
 import pytest
 
+import fault_harness
 import pd_harness
 import swa_ext
 from swa_ext import simulator
@@ -33,88 +30,18 @@ except ImportError as e:  # pragma: no cover - depends on the venv
     pytest.skip(f"the pair needs Mooncake's transfer engine and SGLang's router ({e}): run scripts/setup-sglang.sh",
                 allow_module_level=True)
 
+import test_faults  # noqa: E402 (after the skip: it needs the same packages)
+
 PAGE_SIZE = 16
-MAX_TOTAL_TOKENS = 8192
-NEW_TOKENS = 64
-# Every prompt longer than the 64-token window, up to eight windows.
-PROMPT_LENS = (72, 150, 260, 390, 520)
-PROMPTS = [[(11 * i + 5 * j + j * j % 13) % 500 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
-
-
-_references = {}
-
-
-def reference(model):
-    """The prompts' outputs on one non-disaggregated engine (SGLang's allocator), once a
-    session (test_shared_pd.py's pair compares with them too): started in the background
-    at the first call, so that it runs beside the caller's pair. Returns a function that
-    waits for them, or with ``stop=True`` ends the engine (a caller that failed)."""
-    if model not in _references:
-        workdir = os.path.join(os.path.dirname(model), "pd-pair-reference")
-        os.makedirs(workdir, exist_ok=True)
-        spec_path, result = os.path.join(workdir, "spec.json"), os.path.join(workdir, "reference.json")
-        with open(spec_path, "w") as f:
-            json.dump({"model": model, "rounds": [PROMPTS], "new_tokens": NEW_TOKENS,
-                       "engine_args": {"page_size": PAGE_SIZE, "max_total_tokens": MAX_TOTAL_TOKENS}}, f)
-        env = pd_harness.node_env("sglang", os.path.join(workdir, "probe"))
-        process = pd_harness.Process("reference engine", [sys.executable, pd_harness.__file__, "engine", spec_path,
-                                                          result], env, os.path.join(workdir, "reference.log"))
-        outputs = []
-
-        def read(stop=False, timeout=600):
-            try:
-                if not stop and not outputs:
-                    process.proc.wait(timeout=timeout)
-                    assert process.proc.returncode == 0, f"reference engine failed:\n{process.log()}"
-                    with open(result) as f:
-                        outputs.append(json.load(f)["rounds"][0])
-            finally:
-                process.stop()
-                if not outputs:  # stopped or failed: the next caller starts it again
-                    _references.pop(model, None)
-            return outputs[0] if outputs else None
-
-        _references[model] = read
-    return _references[model]
+PROMPT_LENS, PROMPTS, NEW_TOKENS = (fault_harness.PAIR_PROMPT_LENS, fault_harness.PAIR_PROMPTS,
+                                    fault_harness.PAIR_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def pair_run(tiny_model):
-    pd_harness.join_beside()  # test_faults.py may have started it beside its deployment
-    return pair_results(tiny_model)
-
-
-@functools.lru_cache(maxsize=None)
-def pair_results(tiny_model):
-    """The pair's run (once a session) beside one engine's reference."""
-    workdir = os.path.join(os.path.dirname(tiny_model), "pd-pair")
-    os.makedirs(workdir, exist_ok=True)
-    walls = {}
-    start = time.monotonic()
-    read_reference = reference(tiny_model)  # beside the pair
-    try:
-        with pd_harness.Pair(tiny_model, workdir, "lockstep", PAGE_SIZE, MAX_TOTAL_TOKENS) as pair:
-            walls["pair start"] = time.monotonic() - start
-            before = pd_harness.allocator_calls(pair.decode_probe)  # the servers' warm-up requests
-            start = time.monotonic()
-            outputs = pair.generate(PROMPTS, NEW_TOKENS)
-            walls["pair requests"] = time.monotonic() - start
-            calls = pd_harness.settled_allocator_calls(pair.decode_probe)
-            sent = pd_harness.sent_bytes(pair.prefill_probe)
-            with open(pair.lockstep_report) as f:
-                lockstep = json.load(f)
-            logs = pair.logs()
-        stopped_logs = pair.logs()  # once the pair is stopped
-    except BaseException:
-        read_reference(stop=True)
-        raise
-    start = time.monotonic()
-    reference_outputs = read_reference()
-    walls["reference engine, after the pair"] = time.monotonic() - start
-    print(f"pair walls {walls}; decode allocator calls {calls} (before the requests {before}); "
-          f"lockstep calls {lockstep}; bytes sent {sent}")
-    return {"reference": reference_outputs, "outputs": outputs, "before": before, "calls": calls, "sent": sent,
-            "lockstep": lockstep, "logs": logs, "stopped_logs": stopped_logs}
+def pair_run(request, tiny_model):
+    """The pair's part of the deployment's run, with its reference and the nodes' logs."""
+    run = test_faults.deployment_run(request.session, tiny_model, "default", PAGE_SIZE)
+    return dict(run["pair"], reference=run["reference"]["pair"], logs=run["logs"], stopped_logs=run["stopped_logs"])
 
 
 def test_pair_gives_a_single_engines_outputs(pair_run):

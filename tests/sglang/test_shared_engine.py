@@ -61,15 +61,18 @@ def check_shared_served(log, page_size):
 
 
 # (pairs of layers, page size): the tiny model (two pairs; its references are test_engine's
-# too) and the same with twelve pairs as gpt-oss-20b has (engine_run.py's short workload:
-# a step of 24 layers in triton's interpreter takes seconds); triton, the one attention
-# backend the shared mode serves that runs on this CPU (intel_amx needs SGLang's CPU
-# sgl-kernel, built from source; torch_native is refused: test_shared_adapter.py).
-CASES = [(TINY_PAIRS, 16), (TINY_PAIRS, 1), (12, 16)]
-# Each comparison above shown able to fail: the same run with a planted KV fault, each
-# fault once in CI; --slow adds the two-pair model's view one layer off.
-FAULTS = [("write_row_off", TINY_PAIRS, 16), ("write_row_off", TINY_PAIRS, 1), ("view_layer_off", 12, 16)]
-SLOW_FAULTS = [("view_layer_off", TINY_PAIRS, 16)]
+# too); with --slow, the same with twelve pairs as gpt-oss-20b has (engine_run.py's short
+# workload: a step of 24 layers in triton's interpreter takes seconds, and CI has no more
+# minutes; the layer views of every pair are checked without an engine in
+# test_shared_adapter.py). Triton, the one attention backend the shared mode serves that
+# runs on this CPU (intel_amx needs SGLang's CPU sgl-kernel, built from source;
+# torch_native is refused: test_shared_adapter.py).
+CASES = [(TINY_PAIRS, 16), (TINY_PAIRS, 1)]
+SLOW_CASES = [(12, 16)]
+# Each comparison above shown able to fail: the same run with a planted KV fault. A layer's
+# view one layer off runs in CI on the 3 : 1 mix below; --slow adds it on both pair models.
+FAULTS = [("write_row_off", TINY_PAIRS, 16), ("write_row_off", TINY_PAIRS, 1)]
+SLOW_FAULTS = [("view_layer_off", 12, 16), ("view_layer_off", TINY_PAIRS, 16)]
 # A non-1:1 layer mix: test_spec_engine's tiny gpt-oss with 3 sliding layers to 1 full
 # (equal KV rows, so k = 3: a parent is 3 full pages or one SWA page) and a 64-token window
 # (engine_run.py's decodes slide past it), on SGLang's dummy weights widened to
@@ -95,8 +98,10 @@ def engine_runs(request, tiny_model, twelve_pair_model, gpt_oss_mix_model):
     """Every run of CASES, FAULTS (SLOW_FAULTS with --slow) and MIX_RUNS and their
     references, two engines at a time (one a core)."""
     models = {TINY_PAIRS: tiny_model, 12: twelve_pair_model, GPT_OSS_MIX: gpt_oss_mix_model}
-    runs = {(pairs, page, mode, None) for pairs, page in CASES for mode in ("sglang", "shared")}
-    faults = FAULTS + (SLOW_FAULTS if request.config.getoption("--slow") else [])
+    slow = request.config.getoption("--slow")
+    runs = {(pairs, page, mode, None) for pairs, page in CASES + (SLOW_CASES if slow else [])
+            for mode in ("sglang", "shared")}
+    faults = FAULTS + (SLOW_FAULTS if slow else [])
     runs |= {(pairs, page, "shared", fault) for fault, pairs, page in faults}
     runs |= set(MIX_RUNS)
     order = sorted(runs, key=lambda r: (r[1], -LAYERS[r[0]], str(r)))  # the longest first
@@ -110,7 +115,8 @@ def differing_tokens(run, reference):
                for a, b in zip(o["output_ids"], r["output_ids"]))
 
 
-@pytest.mark.parametrize("pairs,page_size", CASES, ids=[f"{p}pairs-page{q}" for p, q in CASES])
+@pytest.mark.parametrize("pairs,page_size", CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES],
+                         ids=[f"{p}pairs-page{q}" for p, q in CASES + SLOW_CASES])
 def test_shared_mode_gives_sglangs_outputs(engine_runs, pairs, page_size):
     """Greedy outputs and cached tokens equal to SGLang's own allocator's, two rounds with
     radix hits, decodes past the window; SWA_EXT_DEBUG=1 checked each step that no slot
@@ -232,7 +238,8 @@ def run_capacity(model, mode):
 def test_shared_mode_holds_more_requests_where_sglangs_split_mis_sizes(tiny_model):
     """Same KV bytes (SGLang's own sizing line, the same in both runs); the most requests
     the scheduler decoded at once, from its own log line of every decode step."""
-    runs = {mode: run_capacity(tiny_model, mode) for mode in ("sglang", "shared")}
+    runs = {mode: run for (_, mode), run in
+            pd_harness.two_at_a_time(run_capacity, [(tiny_model, "sglang"), (tiny_model, "shared")]).items()}
     check_shared_served(runs["shared"]["log"], capacity_run.ENGINE_ARGS["page_size"])
     assert sizes(runs["shared"]["log"])[0] == sizes(runs["sglang"]["log"])[0]
     most = {mode: max(run["running"]) for mode, run in runs.items()}

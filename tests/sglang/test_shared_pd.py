@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+import fault_harness
 import pd_harness
 import test_pd_node
 from test_shared_engine import SLOT_KINDS_CHECKED, check_shared_served
@@ -59,36 +60,40 @@ def test_shared_decode_node_serves_sglangs_outputs_on_the_tail_path(node_runs):
 FAULTY_PROMPTS = 2
 
 
+# The pair's pools: every request at once.
+PAIR_TOKENS = 8192
+
+
 @pytest.fixture(scope="module")
-def shared_pair_run(tiny_model):
+def shared_pair_run(request, tiny_model):
     """The pair with the decode node in the shared mode, then again with a KV fault planted
     in the decode node (its SWA-layer writes one slot off) on FAULTY_PROMPTS, beside one
-    engine's reference (test_pd_pair.py's, once a session)."""
-    import test_pd_pair
+    engine's reference (test_faults.py's at page 16, once a session)."""
+    import test_faults
 
+    prompts, new_tokens = fault_harness.PAIR_PROMPTS, fault_harness.PAIR_NEW_TOKENS
     workdir = os.path.join(os.path.dirname(tiny_model), "pd-pair-shared")
     os.makedirs(workdir, exist_ok=True)
     start = time.monotonic()
-    read_reference = test_pd_pair.reference(tiny_model)
+    read_reference = test_faults.references(tiny_model, 16, test_faults.load_waves(request.config))
     try:
-        with pd_harness.Pair(tiny_model, workdir, "shared", test_pd_pair.PAGE_SIZE,
-                             test_pd_pair.MAX_TOTAL_TOKENS) as pair:
+        with pd_harness.Pair(tiny_model, workdir, "shared", 16, PAIR_TOKENS) as pair:
             before = pd_harness.allocator_calls(pair.decode_probe)  # the servers' warm-up requests
-            outputs = pair.generate(test_pd_pair.PROMPTS, test_pd_pair.NEW_TOKENS)
+            outputs = pair.generate(prompts, new_tokens)
             calls = pd_harness.settled_allocator_calls(pair.decode_probe)
             logs = pair.logs()
         faulty_dir = os.path.join(workdir, "write_row_off")
         os.makedirs(faulty_dir, exist_ok=True)
-        with pd_harness.Pair(tiny_model, faulty_dir, "shared", test_pd_pair.PAGE_SIZE, test_pd_pair.MAX_TOTAL_TOKENS,
+        with pd_harness.Pair(tiny_model, faulty_dir, "shared", 16, PAIR_TOKENS,
                              decode_env={"SWA_EXT_TEST_KV_FAULT": "write_row_off"}) as pair:
-            faulty = pair.generate(test_pd_pair.PROMPTS[:FAULTY_PROMPTS], test_pd_pair.NEW_TOKENS)
+            faulty = pair.generate(prompts[:FAULTY_PROMPTS], new_tokens)
     except BaseException:
         read_reference(stop=True)
         raise
-    reference = read_reference()
+    reference = read_reference()["pair"]
     print(f"shared pair: {time.monotonic() - start:.0f} s; decode allocator calls {calls} (before {before})")
     return {"reference": reference, "outputs": outputs, "faulty": faulty, "before": before, "calls": calls,
-            "logs": logs, "prompts": len(test_pd_pair.PROMPTS)}
+            "logs": logs, "prompts": len(prompts)}
 
 
 def test_shared_decode_node_in_a_pair_gives_a_single_engines_outputs(shared_pair_run):
