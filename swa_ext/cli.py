@@ -153,8 +153,7 @@ def _simulate_parser() -> argparse.ArgumentParser:
                    "then size the SWA pool from it as SGLang's decode node does (default: no cap, SGLang's ratio)")
     p.add_argument("--policy", choices=COLUMNS, action="append",
                    help="run only this column (repeatable; default: every column the model can run, the others "
-                   "named with why: swa_ext_shared needs a model whose full and SWA entries are the same size, "
-                   "until swa_ext has parent pages)")
+                   "named with why: sglang_unified and swa_ext_shared need both full and SWA layers)")
     p.add_argument("--tuned-on", metavar="TRACE", help="also run swa_ext here at the SWA ratio its sweep finds best "
                    "on TRACE (same settings; what a ratio tuned on another trace costs); default with the bundled "
                    f"trace: the bundled {DEFAULT_TUNED_ON[0]} at time scale {DEFAULT_TUNED_ON[1]:g}")

@@ -305,7 +305,7 @@ def test_report_has_config_and_policies():
                                "v_head_dim": 64, "swa_kv_heads": 8, "swa_head_dim": 64, "swa_v_head_dim": 64,
                                "context_len": 131072, "full_bytes_per_token": model.full_bytes_per_token,
                                "swa_bytes_per_token": model.swa_bytes_per_token, "parent_page_k": 1,
-                               "sglang_hybrid": True, "sglang_source": model.sglang_source}
+                               "parent_small_side": "full", "parent_padding": 0.0, "sglang_hybrid": True, "sglang_source": model.sglang_source}
     assert report["notes"] == []
     assert model.full_bytes_per_token == 2 * 18 * 8 * 64 * 2
     # Every metric and the sweep are described.

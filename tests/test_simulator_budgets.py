@@ -188,25 +188,109 @@ def test_one_budget_pools_hold_the_same_kv_bytes_as_the_fixed_split():
     assert memory - 4 * PAGE_BYTES < arena.gap_bytes <= memory - PAGE_BYTES
 
 
-@pytest.mark.parametrize("name, k", [("gemma-3-27b", 6), ("llama-4-scout", 3), ("mimo-v2-flash", 10),
-                                     ("step-3.5-flash", 3)])
-def test_shared_column_waits_for_parent_pages(name, k, capsys):
-    """A model whose entries differ needs parent pages of k = ceil(larger / smaller entry):
-    the default run leaves the column out and says why, and asking for it is refused."""
+# Models whose full and SWA entries differ: (name, k = ceil(larger / smaller entry)).
+UNEQUAL_ENTRIES = [("gemma-3-27b", 6), ("llama-4-scout", 3), ("mimo-v2-flash", 10), ("step-3.5-flash", 3)]
+
+
+def _small_and_large(model):
+    return sorted((model.full_bytes_per_token, model.swa_bytes_per_token))
+
+
+@pytest.mark.parametrize("name, k", UNEQUAL_ENTRIES)
+def test_shared_column_runs_on_parent_pages(name, k):
+    """Entries that differ get parent pages of k = ceil(larger / smaller entry): k pages of
+    the full side (the smaller entry of every such model) or one SWA page. The column is
+    in the default run, and its node builds the real allocator at that k."""
     model = get_model(name)
-    assert simulator.parent_page_k(model) == k
-    scenario = plan_scenario(load_trace(AZURE_SMALL), model, page_size=64, kv_memory_gib=40.0)
-    with pytest.raises(simulator.SimulationError, match=f"cannot run: {name} holds .* parent pages of k = {k}"):
+    small, large = _small_and_large(model)
+    assert simulator.parent_page_k(model) == k == -(-large // small)
+    assert simulator.small_side(model) == "full"
+    assert simulator.left_out_columns(model) == {} and simulator.default_columns(model) == simulator.COLUMNS
+    scenario = plan_scenario(load_trace(AZURE_SMALL), model, page_size=64, kv_memory_gib=8.0)
+    config = simulator.shared_config(scenario)
+    assert (config.parent_k, config.small_side, config.budget) == (k, "full", simulator.SHARED)
+    node = simulator.SharedDecodeNode(scenario, config)
+    assert (node.allocator.parent_k, node.allocator.small_side) == (k, "full")
+    result = node.run()
+    assert result.completed == len(scenario.requests) - result.rejected > 0
+    assert result.mean_running <= result.capacity_bound
+
+
+@pytest.mark.parametrize("name, k", UNEQUAL_ENTRIES)
+def test_shared_pool_is_the_kv_memory_in_parent_pages(name, k):
+    """A parent is k full pages' bytes (an SWA page padded to them): the pool is the KV
+    memory over those bytes, in whole parents; each side's size is what it holds alone,
+    and one SWA page takes a whole parent, k full pages' worth, from the full side."""
+    model = get_model(name)
+    small, large = _small_and_large(model)
+    ps, memory = 64, 8 * simulator.GIB
+    scenario = plan_scenario(load_trace(AZURE_SMALL), model, page_size=ps, kv_memory_gib=8.0)
+    config = simulator.shared_config(scenario)
+    parent_bytes = ps * k * small
+    parents = config.size_swa // ps
+    assert memory - parent_bytes < parents * parent_bytes <= memory
+    assert config.size_full == k * config.size_swa
+    alloc = simulator.SharedDecodeNode(scenario, config).allocator
+    assert (alloc.full_available_size(), alloc.swa_available_size()) == (config.size_full, config.size_swa)
+    alloc.swa_attn_allocator.alloc(ps)
+    assert alloc.full_available_size() == config.size_full - k * ps
+    alloc.full_attn_allocator.alloc(ps)  # binds a parent whose other k - 1 full pages wait for the full side
+    assert alloc.swa_available_size() == config.size_swa - 2 * ps
+    assert alloc.full_available_size() == config.size_full - k * ps - ps
+    # The padding a parent holding an SWA page leaves.
+    assert simulator.parent_padding(model) == pytest.approx((k * small - large) / (k * small))
+
+
+@pytest.mark.parametrize("name", ["llama-4-scout", "step-3.5-flash"])
+def test_shared_pages_in_use_never_hold_more_kv_than_the_memory(name):
+    """The full and SWA pages the shared column holds at every step, at each side's own
+    entry bytes, fit the KV memory: what a pool priced as if every page were the smaller
+    entry's (k ignored) overdraws as soon as the SWA side holds pages. A load that fills
+    the node (the long-prompt sample on 2 GiB)."""
+    model = get_model(name)
+    ps = 64
+    scenario = plan_scenario(load_trace(DATA / "mooncake_small.jsonl"), model, page_size=ps, kv_memory_gib=2.0,
+                             time_scale=0.01)
+    result = simulator.simulate_config(scenario, simulator.shared_config(scenario))
+    held = [f * ps * model.full_bytes_per_token + s * ps * model.swa_bytes_per_token
+            for f, s in zip(result.timeline_full_pages, result.timeline_swa_pages)]
+    assert result.completed > 0 and max(held) <= 2 * simulator.GIB
+    # The node was full: the pages it held at its peak leave less than a request's room.
+    assert max(held) > 1.5 * simulator.GIB
+
+
+def test_report_states_the_parent_pages():
+    """The model line and the JSON name k, the small side and a large-side parent's padding
+    where k > 1; a model without both kinds of layer has no parent pages to state."""
+    step = get_model("step-3.5-flash")
+    k, padding = simulator.parent_page_k(step), simulator.parent_padding(step)
+    scenario = plan_scenario(load_trace(AZURE_SMALL), step, page_size=64, kv_memory_gib=8.0)
+    results = simulator.run(scenario, (simulator.SWA_EXT_SHARED,))
+    line = simulator.format_table(scenario, results).splitlines()[0]
+    assert f"parent page: {k} full pages or one SWA page, {padding:.1%} of it padding when SWA" in line
+    facts = simulator.report(scenario, results)["model"]
+    assert (facts["parent_page_k"], facts["parent_small_side"], facts["parent_padding"]) == (k, "full", padding)
+    oss = plan_scenario(load_trace(AZURE_SMALL), GPT_OSS, page_size=64, kv_memory_gib=8.0)
+    assert "parent page" not in simulator.format_table(oss, simulator.run(oss, (simulator.SWA_EXT_SHARED,)))
+    mistral = plan_scenario(load_trace(AZURE_SMALL), get_model("mistral-7b-v0.1"), page_size=64, kv_memory_gib=8.0)
+    facts = simulator.report(mistral, simulator.run(mistral, ("tail",), swa_ratio=0.5))["model"]
+    assert facts["parent_page_k"] is facts["parent_small_side"] is facts["parent_padding"] is None
+
+
+def test_one_budget_columns_need_both_kinds_of_layer(capsys):
+    """A model without full-attention layers has no one budget to share: the default run
+    leaves both columns out and says why, and asking for one is refused."""
+    model = get_model("mistral-7b-v0.1")
+    left_out = simulator.left_out_columns(model)
+    assert set(left_out) == {simulator.SGLANG_UNIFIED, simulator.SWA_EXT_SHARED}
+    assert all("no full-attention layers" in why for why in left_out.values())
+    scenario = plan_scenario(load_trace(AZURE_SMALL), model, page_size=64, kv_memory_gib=8.0)
+    with pytest.raises(simulator.SimulationError, match="'swa_ext_shared' column cannot run: .* no full-attention"):
         simulator.plan_runs(scenario, (simulator.SWA_EXT_SHARED,))
-    assert simulator.default_columns(model) == tuple(c for c in simulator.COLUMNS if c != simulator.SWA_EXT_SHARED)
-    assert f"k = {k}" in simulator.left_out_columns(model)[simulator.SWA_EXT_SHARED]
     from swa_ext import cli
 
-    assert cli.main(["simulate", "--model", name, "--trace", str(AZURE_SMALL), "--max-requests", "3",
-                     "--kv-memory-gib", "8"]) == 0
-    assert f"note: swa_ext_shared left out: {name} holds" in capsys.readouterr().out
-    assert cli.main(["simulate", "--model", name, "--policy", "swa_ext_shared"]) == 2
-    assert f"parent pages of k = {k}" in capsys.readouterr().err
+    assert cli.main(["simulate", "--model", model.name, "--policy", "swa_ext_shared"]) == 2
+    assert "no full-attention layers" in capsys.readouterr().err
 
 
 def test_shared_column_runs_where_entries_match():

@@ -26,9 +26,9 @@ from .scenario import (ARENA, COLUMNS, DEFAULT_RESERVED_DECODE_TOKENS, EVICTING,
                        POLICIES, SGLANG, SGLANG_DEFAULT_EVICTION_INTERVAL, SGLANG_DEFAULT_SWA_RATIO, SGLANG_UNIFIED,
                        SHARED, SPLIT, SWA_EXT, SWA_EXT_EVICTION_INTERVAL, SWA_EXT_SHARED, SWA_RATIO_SWEEP,
                        TUNED_ELSEWHERE, ArenaGeometry, PolicyConfig, Scenario, SimulationError, arena_geometry,
-                       capacity_bound, entry_bytes, fits_empty_node, parent_page_k, plan_scenario, policy_config,
-                       pool_sizes, request_cap_pool_sizes, sglang_config, sglang_decode_extra_slots,
-                       sglang_swa_pool_tokens, sglang_swa_request_cap, shared_config, shared_refusal,
+                       capacity_bound, entry_bytes, fits_empty_node, parent_padding, parent_page_k, plan_scenario,
+                       policy_config, pool_sizes, request_cap_pool_sizes, sglang_config, sglang_decode_extra_slots,
+                       sglang_swa_pool_tokens, sglang_swa_request_cap, shared_config, shared_refusal, small_side,
                        tail_swa_pages_bound, unified_config, unified_refusal)
 
 __all__ = [
@@ -38,9 +38,9 @@ __all__ = [
     "TUNED_ELSEWHERE", "Arena", "ArenaGeometry", "DecodeNode", "PlannedRun", "PolicyConfig", "PolicyResult",
     "Scenario", "SharedDecodeNode", "SimulationError", "UnifiedDecodeNode", "arena_geometry", "capacity_bound",
     "conclusion", "default_allocator", "default_columns", "entry_bytes", "fits_empty_node", "format_conclusion",
-    "format_table", "left_out_columns", "node_class", "notes", "parent_page_k", "plan_runs", "plan_scenario", "plot",
-    "policy_config", "pool_sizes", "report", "request_cap_pool_sizes", "run", "shared_config", "shared_refusal",
-    "simulate", "simulate_config", "sglang_config", "sglang_decode_extra_slots", "sglang_prealloc_demand",
-    "sglang_swa_pool_tokens", "sglang_swa_request_cap", "tail_swa_pages_bound", "unified_config",
+    "format_table", "left_out_columns", "node_class", "notes", "parent_padding", "parent_page_k", "plan_runs",
+    "plan_scenario", "plot", "policy_config", "pool_sizes", "report", "request_cap_pool_sizes", "run",
+    "shared_config", "shared_refusal", "simulate", "simulate_config", "sglang_config", "sglang_decode_extra_slots", "sglang_prealloc_demand",
+    "sglang_swa_pool_tokens", "sglang_swa_request_cap", "small_side", "tail_swa_pages_bound", "unified_config",
     "unified_refusal",
 ]

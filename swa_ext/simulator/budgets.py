@@ -165,13 +165,16 @@ class UnifiedDecodeNode(DecodeNode):
 
 
 class SharedDecodeNode(DecodeNode):
-    """swa_ext's shared mode: one slot space and one free list for full and SWA pages
-    (``shared=True``). The allocator prices the decode node's demand
-    (``reservation_fits``: the pages of both sides against the one free count), as
-    ``swa_ext/sglang/shared.py`` does."""
+    """swa_ext's shared mode: one free list of parent pages for full and SWA pages
+    (``shared=True``, ``parent_k`` pages of the small side or one of the other to a
+    parent), so the allocator itself decides the padding and the stranding in partly used
+    parents. The allocator prices the decode node's demand (``reservation_fits``: the
+    parents both sides bind against the one free count), as ``swa_ext/sglang/shared.py`` does."""
 
     def _make_allocator(self, allocator_factory):
-        return allocator_factory(self.config.size_full, self.config.size_swa, self.page_size, shared=True)
+        c = self.config
+        return allocator_factory(c.size_full, c.size_swa, self.page_size, shared=True, parent_k=c.parent_k,
+                                 small_side=c.small_side)
 
     def _fits(self, full_tokens: int, swa_tokens: int) -> bool:
         return self.allocator.reservation_fits(full_tokens, swa_tokens)

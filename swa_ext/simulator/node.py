@@ -136,12 +136,15 @@ class _Stopwatch:
         self.total += time.perf_counter() - self._start
 
 
-def default_allocator(size_full: int, size_swa: int, page_size: int, shared: bool = False):
-    """swa_ext's allocator on the CPU; ``shared``: its shared mode (one slot space)."""
+def default_allocator(size_full: int, size_swa: int, page_size: int, shared: bool = False, parent_k: int = 1,
+                      small_side: str = "swa"):
+    """swa_ext's allocator on the CPU; ``shared``: its shared mode (one free list of parent
+    pages, ``parent_k`` pages of ``small_side`` or one of the other side to a parent)."""
     from swa_ext import SWATokenToKVPoolAllocator
 
     if shared:
-        return SWATokenToKVPoolAllocator(size_full, size_swa, page_size, torch.bfloat16, "cpu", shared=True)
+        return SWATokenToKVPoolAllocator(size_full, size_swa, page_size, torch.bfloat16, "cpu", shared=True,
+                                         parent_k=parent_k, small_side=small_side)
     return SWATokenToKVPoolAllocator(size_full, size_swa, page_size, torch.bfloat16, "cpu")
 
 

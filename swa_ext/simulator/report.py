@@ -8,7 +8,7 @@ from pathlib import Path
 from .node import PolicyResult
 from .runs import conclusion, default_columns, left_out_columns
 from .scenario import (GIB, IN_SGLANG, SGLANG, SGLANG_UNIFIED, SWA_EXT, SWA_EXT_SHARED, TUNED_ELSEWHERE, Scenario,
-                       parent_page_k)
+                       parent_padding, parent_page_k, shared_refusal, small_side)
 
 # What each row of the table and of the JSON's per-column metrics means.
 ROW_DESCRIPTIONS = {
@@ -17,8 +17,8 @@ ROW_DESCRIPTIONS = {
     "eviction_interval": "out-of-window SWA KV is freed once this many tokens have left the window "
                          "(SGLang's SGLANG_SWA_EVICTION_INTERVAL; full never frees it)",
     "pool_full_pages": "pages of the full-attention pool (sglang_unified: the most its full side can take, the "
-                       "whole arena; swa_ext_shared: its one pool of pages for both)",
-    "pool_swa_pages": "pages of the SWA pool (the same for the one-budget columns)",
+                       "whole arena; swa_ext_shared: the same, its parent pages times the full pages a parent holds)",
+    "pool_swa_pages": "pages of the SWA pool (the one-budget columns: the most the SWA side can take)",
     "rejected": "requests that cannot run even on an empty node of this column",
     "completed": "requests served to their last token",
     "retractions": "running requests pushed back to the queue when a decode step found no room",
@@ -64,6 +64,29 @@ def notes(scenario: Scenario, results: dict[str, PolicyResult]) -> list[str]:
     return ([caveat] if caveat else []) + [f"{label} left out: {why}" for label, why in left_out.items()]
 
 
+def _parent_pages(m) -> dict:
+    """The shared mode's parent pages for the model (None without both kinds of layer): k,
+    the side whose k pages a parent holds, and the share of a parent a page of the other
+    side leaves unused."""
+    if shared_refusal(m) is not None:
+        return {"parent_page_k": None, "parent_small_side": None, "parent_padding": None}
+    return {"parent_page_k": parent_page_k(m), "parent_small_side": small_side(m), "parent_padding": parent_padding(m)}
+
+
+_SIDE_NAMES = {"full": "full", "swa": "SWA"}
+
+
+def _parent_pages_text(m) -> str:
+    """The model line's parent pages, where they differ from a page of either kind (k > 1)."""
+    facts = _parent_pages(m)
+    if (facts["parent_page_k"] or 1) == 1:
+        return ""
+    small = facts["parent_small_side"]
+    large = _SIDE_NAMES["swa" if small == "full" else "full"]
+    return (f"; shared mode's parent page: {facts['parent_page_k']} {_SIDE_NAMES[small]} pages or one {large} page, "
+            f"{facts['parent_padding']:.1%} of it padding when {large}")
+
+
 def report(scenario: Scenario, results: dict[str, PolicyResult]) -> dict:
     """The JSON report: the swa_ext version, the settings and model facts that tell two
     runs apart, each column's metrics, what each metric means and the conclusion."""
@@ -101,7 +124,7 @@ def report(scenario: Scenario, results: dict[str, PolicyResult]) -> dict:
             "context_len": m.context_len,
             "full_bytes_per_token": m.full_bytes_per_token,
             "swa_bytes_per_token": m.swa_bytes_per_token,
-            "parent_page_k": parent_page_k(m),
+            **_parent_pages(m),
             "sglang_hybrid": m.sglang_hybrid,
             "sglang_source": m.sglang_source,
         },
@@ -143,7 +166,7 @@ def _kv_sides(m) -> str:
 def format_table(scenario: Scenario, results: dict[str, PolicyResult]) -> str:
     m = scenario.model
     lines = [
-        f"model {m.name}: window {m.window}; {_kv_sides(m)}; page {scenario.page_size}; "
+        f"model {m.name}: window {m.window}; {_kv_sides(m)}{_parent_pages_text(m)}; page {scenario.page_size}; "
         f"KV memory {scenario.kv_memory_gib:g} GiB",
         f"trace {scenario.trace}: {len(scenario.requests)} requests replayed "
         f"({scenario.skipped_over_context} over context and {scenario.skipped_no_output} without output skipped); "

@@ -194,6 +194,8 @@ class PolicyConfig:
     eviction_interval: int
     max_running: int | None = None
     budget: str = SPLIT
+    parent_k: int = 1
+    small_side: str = "swa"
 
 
 def _checked(scenario: Scenario, label: str, config: PolicyConfig) -> PolicyConfig:
@@ -307,43 +309,71 @@ def unified_config(scenario: Scenario, interval: int | None = None) -> PolicyCon
                                                            interval, scenario.max_running_requests, ARENA))
 
 
+def _small_and_large_entry(model: ModelConfig) -> tuple[int, int]:
+    """The smaller and the larger of a token's full and SWA KV bytes, unpadded, as swa_ext's
+    shared storage lays them out in SGLang (``shared_pool.kv_entries``)."""
+    return tuple(sorted((model.full_bytes_per_token, model.swa_bytes_per_token)))
+
+
 def parent_page_k(model: ModelConfig) -> int:
     """Pages of the smaller entry a parent page of the shared mode holds: the larger entry
-    over the smaller, rounded up (the larger padded to k smaller ones; issue 49). For a
-    model with both kinds of layer."""
-    small, large = sorted(entry_bytes(model))
-    return _cdiv(large, small)
+    over the smaller, rounded up (the larger padded to k smaller ones; SPEC.md 8.1), by
+    the allocator's own rule (``swa_ext.parent_k``). For a model with both kinds of layer."""
+    from swa_ext import parent_k
+
+    small, large = _small_and_large_entry(model)
+    return parent_k(large, small)
+
+
+def small_side(model: ModelConfig) -> str:
+    """The shared mode's small side, "full" or "swa": the one with the smaller entry,
+    which takes ``parent_page_k`` pages of a parent (the full side where both are equal,
+    as swa_ext's SGLang sizing picks it)."""
+    return "full" if model.full_bytes_per_token <= model.swa_bytes_per_token else "swa"
+
+
+def parent_padding(model: ModelConfig) -> float:
+    """The share of a parent page a large-side page leaves unused: its entry padded to
+    ``parent_page_k`` smaller ones, (k * E_small - E_large) / (k * E_small)."""
+    small, large = _small_and_large_entry(model)
+    parent = parent_page_k(model) * small
+    return (parent - large) / parent
 
 
 def shared_refusal(model: ModelConfig) -> str | None:
-    """Why the ``swa_ext_shared`` column cannot be priced for this model, or None. swa_ext's
-    shared mode holds a full or an SWA token in one slot, so it serves k = 1 only; for k > 1
-    the native parent pages, not yet in swa_ext, decide the padding and stranding, and the
-    simulator runs the real allocator or nothing. Like SGLang's arena it needs both kinds
-    of layer."""
-    refusal = unified_refusal(model)
-    if refusal is not None:
-        return refusal
-    k = parent_page_k(model)
-    if k == 1:
-        return None
-    full, swa = entry_bytes(model)
-    return (f"{model.name} holds {full} B of full and {swa} B of SWA KV a token, so the shared mode needs parent "
-            f"pages of k = {k}, which swa_ext's allocator does not have yet (it serves k = 1)")
+    """Why the ``swa_ext_shared`` column cannot be priced for this model, or None: like
+    SGLang's arena, one budget for full and SWA KV needs both kinds of layer."""
+    return unified_refusal(model)
 
 
 def shared_config(scenario: Scenario) -> PolicyConfig:
-    """swa_ext's shared mode (``shared=True``): one slot space whose slot holds a full or an
-    SWA token's KV (k = 1, ``shared_refusal``); the KV memory over those bytes, in whole
-    pages (the full tokens plus the SWA tokens a fixed split of the same memory has, give
-    or take its rounding)."""
+    """swa_ext's shared mode (``shared=True``): one free list of parent pages, a parent
+    ``parent_page_k`` pages of the small side or one page of the other, the larger entry
+    padded to k smaller ones (SPEC.md 8.1; at k = 1 a page of either kind). The KV memory
+    over a parent's bytes, in whole parents (the same bytes as a fixed split of the
+    memory, give or take its rounding); each side's size is what it could hold alone, the
+    small side's k times the large side's."""
     m, ps = scenario.model, scenario.page_size
     refusal = shared_refusal(m)
     if refusal is not None:
         raise SimulationError(f"the {SWA_EXT_SHARED!r} column cannot run: {refusal}")
-    slots = int(scenario.kv_memory_gib * GIB // m.full_bytes_per_token) // ps * ps
-    return _checked(scenario, SWA_EXT_SHARED, PolicyConfig("tail", None, slots, slots, SWA_EXT_EVICTION_INTERVAL,
-                                                           scenario.max_running_requests, SHARED))
+    k, small = parent_page_k(m), small_side(m)
+    parents = int(scenario.kv_memory_gib * GIB // (ps * k * _small_and_large_entry(m)[0]))
+    small_slots, large_slots = parents * k * ps, parents * ps
+    size_full, size_swa = (small_slots, large_slots) if small == "full" else (large_slots, small_slots)
+    return _checked(scenario, SWA_EXT_SHARED, PolicyConfig("tail", None, size_full, size_swa, SWA_EXT_EVICTION_INTERVAL,
+                                                           scenario.max_running_requests, SHARED, k, small))
+
+
+def _pages_a_parent(config: PolicyConfig) -> tuple[int, int]:
+    """Full and SWA pages a parent of a shared pool holds: ``parent_k`` on its small side,
+    one on the other."""
+    return (config.parent_k, 1) if config.small_side == "full" else (1, config.parent_k)
+
+
+def _shared_parents(config: PolicyConfig, page_size: int) -> int:
+    """A shared pool's parents: its large side's pages (the small side's are k times as many)."""
+    return min(config.size_full, config.size_swa) // page_size
 
 
 def _pages_needed(policy: str, total_len: int, window: int, page_size: int, interval: int) -> tuple[int, int]:
@@ -361,7 +391,8 @@ def fits_empty_node(scenario: Scenario, config: PolicyConfig, request: Request) 
     full, swa = _pages_needed(config.policy, request.prompt_len + request.output_len, scenario.model.window, ps,
                               config.eviction_interval)
     if config.budget == SHARED:
-        return full + swa <= config.size_full // ps
+        full_a_parent, swa_a_parent = _pages_a_parent(config)
+        return _cdiv(full, full_a_parent) + _cdiv(swa, swa_a_parent) <= _shared_parents(config, ps)
     if config.budget == ARENA:
         arena = arena_geometry(scenario)
         admission = _cdiv(request.prompt_len, ps) + _cdiv(scenario.reserved_decode_tokens, ps)
@@ -408,8 +439,11 @@ def capacity_bound(scenario: Scenario, config: PolicyConfig, requests: list[Requ
     if not decode_steps:
         return 0.0
     if config.budget == SHARED:
-        # One budget: its pages over the pages a running request holds at least.
-        return config.size_full // ps * decode_steps / (full_page_steps + swa_page_steps)
+        # One budget: its parents over the parents a running request holds at least (a
+        # small side that strands no partly used parent).
+        full_a_parent, swa_a_parent = _pages_a_parent(config)
+        return _shared_parents(config, ps) * decode_steps / (full_page_steps / full_a_parent
+                                                            + swa_page_steps / swa_a_parent)
     if config.budget == ARENA:
         # Its bytes over the bytes a running request holds at least.
         arena = arena_geometry(scenario)
