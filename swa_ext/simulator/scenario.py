@@ -20,7 +20,7 @@ SWA_EXT = "swa_ext"
 SWA_EXT_EVICTION_INTERVAL = 1
 # The two columns with one budget for full and SWA KV, no ratio to choose: SGLang 0.5.23
 # with --enable-unified-memory (one byte arena, its own interval) and swa_ext's shared mode
-# (one slot space and one free list, eviction every step).
+# (one free list of parent pages for both, eviction every step).
 SGLANG_UNIFIED = "sglang_unified"
 SWA_EXT_SHARED = "swa_ext_shared"
 # swa_ext at the SWA ratio its sweep finds best on another trace (``run``'s ``tuned_on``).
@@ -185,7 +185,8 @@ class PolicyConfig:
     """One column's node: its policy, SWA ratio (None: one budget, no ratio), the pool
     sizes (tokens) it gives, its eviction interval, the cap on running requests (None:
     no cap) and how its memory is cut (``SPLIT``, ``ARENA``, ``SHARED``). An arena's
-    sizes are what each side could hold alone; a shared pool's are its one slot space."""
+    sizes are what each side could hold alone, and so are a shared pool's, whose parent
+    pages hold ``parent_k`` pages of ``small_side`` or one page of the other side."""
 
     policy: str
     swa_ratio: float | None
