@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.runtime_context import attention_backends, get_disagg, get_memory, get_parallel, get_spec
 
 from .. import _C
+from ..one_budget import one_budget_slots
 
 logger = logging.getLogger(__name__)
 
@@ -177,20 +178,11 @@ def kv_entries(configurator):
 
 def one_budget_sizes(full, swa, *, full_entry, swa_entry, draft_entry, page_size):
     """Each side's slots and ``parent_k`` in the KV bytes SGLang sized: ``full`` tokens of
-    ``full_entry`` bytes, ``swa`` of ``swa_entry``, and a draft model's ``draft_entry`` at
-    each full token. A parent is ``parent_k`` pages of the side with the smaller entry or
-    one page of the other (``_C.parent_k``); a draft's pool is indexed by full slots, so a
-    parent also prices the draft's rows at the full pages it can hold. The parents are as
-    many as fit SGLang's bytes, rounded down: without a draft at ``k = 1``, ``full + swa``
-    slots a side. Returns (full slots, SWA slots, parent_k)."""
-    small_is_full = full_entry <= swa_entry
-    small, large = (full_entry, swa_entry) if small_is_full else (swa_entry, full_entry)
-    k = _C.parent_k(large, small)
-    full_pages_a_parent = k if small_is_full else 1
-    parent_bytes = page_size * (k * small + full_pages_a_parent * draft_entry)
-    parents = (full * (full_entry + draft_entry) + swa * swa_entry) // parent_bytes
-    small_slots, large_slots = parents * k * page_size, parents * page_size
-    return (small_slots, large_slots, k) if small_is_full else (large_slots, small_slots, k)
+    ``full_entry`` bytes (and a draft model's ``draft_entry`` at each), ``swa`` of
+    ``swa_entry``, as parents (``one_budget.one_budget_slots``). Without a draft at
+    ``k = 1``, ``full + swa`` slots a side. Returns (full slots, SWA slots, parent_k)."""
+    return one_budget_slots(full * (full_entry + draft_entry) + swa * swa_entry, full_entry=full_entry,
+                            swa_entry=swa_entry, page_size=page_size, draft_entry=draft_entry)
 
 
 def shared_sizes(configurator, config):

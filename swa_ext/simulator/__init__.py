@@ -40,7 +40,7 @@ __all__ = [
     "conclusion", "default_allocator", "default_columns", "entry_bytes", "fits_empty_node", "format_conclusion",
     "format_table", "left_out_columns", "node_class", "notes", "parent_padding", "parent_page_k", "plan_runs",
     "plan_scenario", "plot", "policy_config", "pool_sizes", "report", "request_cap_pool_sizes", "run",
-    "shared_config", "shared_refusal", "simulate", "simulate_config", "sglang_config", "sglang_decode_extra_slots", "sglang_prealloc_demand",
-    "sglang_swa_pool_tokens", "sglang_swa_request_cap", "small_side", "tail_swa_pages_bound", "unified_config",
+    "shared_config", "shared_refusal", "simulate", "simulate_config", "sglang_config", "sglang_decode_extra_slots",
+    "sglang_prealloc_demand", "sglang_swa_pool_tokens", "sglang_swa_request_cap", "small_side", "tail_swa_pages_bound", "unified_config",
     "unified_refusal",
 ]

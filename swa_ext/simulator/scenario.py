@@ -327,10 +327,11 @@ def parent_page_k(model: ModelConfig) -> int:
 
 
 def small_side(model: ModelConfig) -> str:
-    """The shared mode's small side, "full" or "swa": the one with the smaller entry,
-    which takes ``parent_page_k`` pages of a parent (the full side where both are equal,
-    as swa_ext's SGLang sizing picks it)."""
-    return "full" if model.full_bytes_per_token <= model.swa_bytes_per_token else "swa"
+    """The shared mode's small side, "full" or "swa" (``one_budget.small_side``), which
+    takes ``parent_page_k`` pages of a parent."""
+    from swa_ext.one_budget import small_side as side
+
+    return side(model.full_bytes_per_token, model.swa_bytes_per_token)
 
 
 def parent_padding(model: ModelConfig) -> float:
@@ -358,12 +359,13 @@ def shared_config(scenario: Scenario) -> PolicyConfig:
     refusal = shared_refusal(m)
     if refusal is not None:
         raise SimulationError(f"the {SWA_EXT_SHARED!r} column cannot run: {refusal}")
-    k, small = parent_page_k(m), small_side(m)
-    parents = int(scenario.kv_memory_gib * GIB // (ps * k * _small_and_large_entry(m)[0]))
-    small_slots, large_slots = parents * k * ps, parents * ps
-    size_full, size_swa = (small_slots, large_slots) if small == "full" else (large_slots, small_slots)
+    from swa_ext.one_budget import one_budget_slots
+
+    size_full, size_swa, k = one_budget_slots(int(scenario.kv_memory_gib * GIB), full_entry=m.full_bytes_per_token,
+                                              swa_entry=m.swa_bytes_per_token, page_size=ps)
     return _checked(scenario, SWA_EXT_SHARED, PolicyConfig("tail", None, size_full, size_swa, SWA_EXT_EVICTION_INTERVAL,
-                                                           scenario.max_running_requests, SHARED, k, small))
+                                                           scenario.max_running_requests, SHARED, k,
+                                                           small_side(m)))
 
 
 def _pages_a_parent(config: PolicyConfig) -> tuple[int, int]:
